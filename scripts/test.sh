@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Set up (once) and run the test suite against the oldest and the newest supported transformers.
+# Usage: bash scripts/test.sh [pytest args...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TRANSFORMERS_VERSIONS=${TRANSFORMERS_VERSIONS:-"4.57.6 5.24.0"}
+for version in $TRANSFORMERS_VERSIONS; do
+  venv=".venv-tf${version}"
+  if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import transformers, sys; sys.exit(transformers.__version__ != '$version')" 2>/dev/null; then
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install -q --upgrade pip
+    # The CPU build of torch (installing plain `torch` would pull a multi-GB CUDA build).
+    "$venv/bin/pip" install -q "torch==2.13.0" --extra-index-url https://download.pytorch.org/whl/cpu
+    "$venv/bin/pip" install -q -e ".[test]" "transformers==$version"
+  else
+    "$venv/bin/pip" install -q --no-deps -e . >/dev/null
+  fi
+  echo "=== transformers $version ==="
+  HF_HUB_OFFLINE=1 "$venv/bin/python" -m pytest -q "$@"
+done
