@@ -8,7 +8,6 @@ for version in $TRANSFORMERS_VERSIONS; do
   venv=".venv-tf${version}"
   if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import transformers, sys; sys.exit(transformers.__version__ != '$version')" 2>/dev/null; then
     python3 -m venv "$venv"
-    "$venv/bin/pip" install -q --upgrade pip
     # torch 2.13.0 is the CPU build these machines carry (plain `torch` would pull a multi-GB CUDA build).
     "$venv/bin/pip" install -q "torch==2.13.0"
     "$venv/bin/pip" install -q -e ".[test]" "transformers==$version"
