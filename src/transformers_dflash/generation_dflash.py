@@ -666,3 +666,4 @@ def install_generation_hook() -> None:
     GenerationMixin.generate = generate
     GenerationMixin._assisted_decoding = _assisted_decoding
     GenerationMixin._dflash_hook_installed = True
+    GenerationMixin._dflash_original_methods = {"generate": original_generate, "_assisted_decoding": original_assisted_decoding}

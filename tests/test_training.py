@@ -1,0 +1,328 @@
+"""Tests of the DFlash training recipe (transformers_dflash.training) on a tiny random Llama target."""
+
+import argparse
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from torch.nn import functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from transformers_dflash import DFlashDraftModel
+from transformers_dflash.generation_dflash import DFlashCandidateGenerator
+from transformers_dflash.training import (
+    TrainingConfig,
+    add_train_arguments,
+    block_position_ids,
+    build_block_attention_mask,
+    default_gamma,
+    dflash_loss,
+    evaluate_acceptance_length,
+    iter_training_examples,
+    loss_weights,
+    run_train,
+    sample_anchors,
+    target_context_features,
+    train,
+)
+
+BLOCK_SIZE = 4
+
+
+def tiny_target(dtype=torch.float32, num_layers=4):
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def tiny_drafter(target, num_layers=2, target_layer_ids=(1, 2), std=None):
+    torch.manual_seed(1)
+    drafter = DFlashDraftModel.from_target(
+        target, num_layers=num_layers, block_size=BLOCK_SIZE, target_layer_ids=list(target_layer_ids)
+    )
+    if std is not None:  # larger weights make attention (and so the mask) matter a lot for the outputs
+        for name, param in drafter.named_parameters():
+            if "norm" not in name:
+                torch.nn.init.normal_(param, std=std)
+    return drafter
+
+
+def write_shards(directory, target, num_examples=16, per_shard=6, prompt_len=8, response_len=32):
+    """Shards in the agreed format: prompts of random tokens, responses regenerated greedily by the target."""
+    directory.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(2)
+    prompts = torch.randint(3, 96, (num_examples, prompt_len), generator=generator)
+    with torch.no_grad():
+        sequences = target.generate(
+            prompts,
+            attention_mask=torch.ones_like(prompts),
+            max_new_tokens=response_len,
+            min_new_tokens=response_len,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    examples = []
+    for i, sequence in enumerate(sequences):
+        length = len(sequence) - (i % 3) * 5  # ragged lengths, so batches get padded
+        loss_mask = torch.arange(length) >= prompt_len
+        examples.append({"input_ids": sequence[:length].clone(), "loss_mask": loss_mask})
+    for start in range(0, num_examples, per_shard):
+        torch.save(examples[start : start + per_shard], directory / f"shard-{start // per_shard:05d}.pt")
+    return examples
+
+
+def test_block_attention_mask_hand_checked():
+    anchors = torch.tensor([[1, 3]])
+    mask = build_block_attention_mask(anchors, seq_len=6, block_size=3)
+    expected = torch.tensor(
+        [
+            # context 0..5       | block 0 | block 1
+            [1, 0, 0, 0, 0, 0,     1, 1, 1,  0, 0, 0],  # block 0 (anchor 1) sees context < 1
+            [1, 0, 0, 0, 0, 0,     1, 1, 1,  0, 0, 0],
+            [1, 0, 0, 0, 0, 0,     1, 1, 1,  0, 0, 0],
+            [1, 1, 1, 0, 0, 0,     0, 0, 0,  1, 1, 1],  # block 1 (anchor 3) sees context < 3
+            [1, 1, 1, 0, 0, 0,     0, 0, 0,  1, 1, 1],
+            [1, 1, 1, 0, 0, 0,     0, 0, 0,  1, 1, 1],
+        ],
+        dtype=torch.bool,
+    )  # fmt: skip
+    assert mask.dtype == torch.bool and mask.shape == (1, 1, 6, 12)
+    assert torch.equal(mask[0, 0], expected)
+    assert block_position_ids(anchors, 3).tolist() == [[1, 2, 3, 3, 4, 5]]
+
+
+def test_loss_weights():
+    weights = loss_weights(16)
+    assert weights.shape == (16,)
+    assert weights[0] == 0 and weights[1] == 1
+    assert torch.allclose(weights[1:], torch.exp(-torch.arange(15.0) / 7))
+    assert (default_gamma(16), default_gamma(10), default_gamma(8)) == (7, 5, 4)
+    assert math.isclose(loss_weights(10)[3].item(), math.exp(-2 / 5), rel_tol=1e-6)
+    assert math.isclose(loss_weights(8)[8 - 1].item(), math.exp(-6 / 4), rel_tol=1e-6)
+    assert math.isclose(loss_weights(4, gamma=2.0)[3].item(), math.exp(-1.0), rel_tol=1e-6)
+    assert 5 < default_gamma(13) < 7 and default_gamma(32) > 7 and default_gamma(4) == 2
+
+
+def test_sample_anchors():
+    seq_len, block_size = 30, 4
+    loss_mask = torch.zeros(3, seq_len, dtype=torch.bool)
+    loss_mask[0, 10:] = True
+    loss_mask[0, 15:18] = False  # a hole (e.g. a tool output) inside the response
+    loss_mask[1, 20:] = True  # candidates 20 .. 26 only
+    loss_mask[2, 28:] = True  # no candidate: the block would not fit
+    candidates = [set(p for p in range(seq_len - block_size + 1) if loss_mask[r, p]) for r in range(3)]
+    generator = torch.Generator().manual_seed(0)
+    seen = set()
+    for _ in range(50):
+        anchors, valid = sample_anchors(loss_mask, 10, block_size, generator)
+        assert anchors.shape == valid.shape == (3, 10)
+        for r in range(3):
+            chosen = anchors[r][valid[r]].tolist()
+            assert chosen == sorted(chosen) and len(set(chosen)) == len(chosen)
+            assert set(chosen) <= candidates[r]
+            assert all(a <= seq_len - block_size for a in chosen)
+            assert len(chosen) == min(10, len(candidates[r]))
+            assert valid[r].tolist() == sorted(valid[r].tolist(), reverse=True)  # padding last
+            assert (anchors[r][~valid[r]] == 0).all()
+        seen.update(anchors[0][valid[0]].tolist())
+    assert seen == candidates[0]  # every candidate gets drawn
+    anchors, valid = sample_anchors(loss_mask[1], 100, block_size)  # 1-D input, fewer candidates than asked
+    assert anchors.tolist() == list(range(20, 27)) and valid.all()
+    anchors, valid = sample_anchors(loss_mask[2], 5, block_size)
+    assert anchors.shape == (1,) and not valid.any()
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_packed_blocks_equal_blocks_alone(attn_implementation):
+    """Each block of the packed training forward equals that block run alone on its context, as at inference."""
+    target = tiny_target(torch.float64)
+    drafter = tiny_drafter(target, std=0.3)
+    drafter.config._attn_implementation = attn_implementation
+    seq_len = 20
+    input_ids = torch.randint(3, 96, (2, seq_len), generator=torch.Generator().manual_seed(0))
+    anchors = torch.tensor([[2, 5, 11, 16], [4, 7, 8, 9]])
+    features = target_context_features(target, input_ids, drafter.config.target_layer_ids)
+    block_ids = torch.full((2, 4, BLOCK_SIZE), drafter.config.mask_token_id)
+    block_ids[:, :, 0] = input_ids.gather(1, anchors)
+    embeddings = target.get_input_embeddings()(block_ids.flatten(1))
+
+    def packed(mask):
+        with torch.no_grad():
+            return drafter(
+                block_embeddings=embeddings,
+                context_features=features,
+                block_position_ids=block_position_ids(anchors, BLOCK_SIZE),
+                context_position_ids=torch.arange(seq_len).expand(2, seq_len),
+                attention_mask=mask,
+            ).last_hidden_state.view(2, 4, BLOCK_SIZE, -1)
+
+    together = packed(build_block_attention_mask(anchors, seq_len, BLOCK_SIZE))
+    everything_visible = packed(None)
+    for b in range(2):
+        for j, anchor in enumerate(anchors[b].tolist()):
+            with torch.no_grad():
+                alone = drafter(
+                    block_embeddings=embeddings[b : b + 1, j * BLOCK_SIZE : (j + 1) * BLOCK_SIZE],
+                    context_features=features[b : b + 1, :anchor],
+                    block_position_ids=torch.arange(anchor, anchor + BLOCK_SIZE)[None],
+                    context_position_ids=torch.arange(anchor)[None],
+                ).last_hidden_state[0]
+            torch.testing.assert_close(together[b, j], alone, rtol=1e-5, atol=1e-5)  # eager softmax is float32
+            assert (everything_visible[b, j] - alone).abs().max() > 1e-3  # the mask matters in this test
+
+
+def test_training_features_match_inference_features():
+    """hidden_states[i + 1] (training) equals what the decoding hooks capture, last layer included."""
+    target = tiny_target()
+    drafter = tiny_drafter(target, target_layer_ids=(0, 2, 3))
+    input_ids = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+    generator = DFlashCandidateGenerator(drafter, target)
+    with torch.no_grad():
+        target(input_ids)
+    captured = generator.captured_features()
+    generator.close()
+    torch.testing.assert_close(target_context_features(target, input_ids, [0, 2, 3]), captured)
+
+
+def test_dflash_loss_matches_reference_and_offline_features():
+    target = tiny_target(torch.float64)
+    drafter = tiny_drafter(target, std=0.1)
+    seq_len, num_anchors = 24, 5
+    input_ids = torch.randint(3, 96, (2, seq_len), generator=torch.Generator().manual_seed(3))
+    loss_mask = torch.zeros(2, seq_len, dtype=torch.bool)
+    loss_mask[0, 6:] = True
+    loss_mask[1, 15:22] = True  # ends before the sequence does: some labels are masked out
+    attention_mask = torch.ones(2, seq_len, dtype=torch.long)
+
+    loss, metrics = dflash_loss(
+        drafter, target, input_ids, loss_mask, num_anchors, attention_mask=attention_mask,
+        generator=torch.Generator().manual_seed(7),
+    )
+    # Offline: precomputed features, same anchors -> same loss.
+    features = target_context_features(target, input_ids, drafter.config.target_layer_ids)
+    offline, _ = dflash_loss(
+        drafter, target, input_ids, loss_mask, num_anchors, context_features=features,
+        generator=torch.Generator().manual_seed(7),
+    )
+    torch.testing.assert_close(loss, offline)
+
+    # Reference: every block alone on its context, plain weighted cross-entropy.
+    anchors, valid = sample_anchors(loss_mask, num_anchors, BLOCK_SIZE, torch.Generator().manual_seed(7))
+    weights = loss_weights(BLOCK_SIZE).double()
+    total, total_weight, correct, labelled, accepted = 0.0, 0.0, 0, 0, []
+    for b in range(2):
+        for anchor in anchors[b][valid[b]].tolist():
+            block = torch.tensor([input_ids[b, anchor].item()] + [drafter.config.mask_token_id] * (BLOCK_SIZE - 1))
+            with torch.no_grad():
+                hidden = drafter(
+                    block_embeddings=target.get_input_embeddings()(block)[None],
+                    context_features=features[b : b + 1, :anchor],
+                    block_position_ids=torch.arange(anchor, anchor + BLOCK_SIZE)[None],
+                    context_position_ids=torch.arange(anchor)[None],
+                ).last_hidden_state[0]
+            logits = target.lm_head(hidden)
+            prefix, run = 0, True
+            for k in range(1, BLOCK_SIZE):
+                is_labelled = bool(loss_mask[b, anchor + k])
+                hit = is_labelled and logits[k].argmax().item() == input_ids[b, anchor + k].item()
+                run = run and hit
+                prefix += run
+                if is_labelled:
+                    total += weights[k] * F.cross_entropy(logits[k], input_ids[b, anchor + k])
+                    total_weight += weights[k]
+                    correct += hit
+                    labelled += 1
+            accepted.append(prefix)
+    torch.testing.assert_close(loss.detach(), total / total_weight)
+    assert metrics["num_labels"].item() == labelled and metrics["num_blocks"].item() == len(accepted)
+    assert math.isclose(metrics["accuracy"].item(), correct / labelled, rel_tol=1e-6)
+    assert math.isclose(metrics["acceptance_length"].item(), 1 + sum(accepted) / len(accepted), rel_tol=1e-6)
+    assert metrics["slot_accuracy"].shape == (BLOCK_SIZE - 1,)
+
+    # Gradients reach the drafter only.
+    loss.backward()
+    assert all(p.grad is not None for p in drafter.parameters())
+    assert all(p.grad is None for p in target.parameters())
+
+
+def test_evaluate_acceptance_length_leaves_drafter_alone():
+    target = tiny_target(torch.float64)
+    drafter = tiny_drafter(target).float().train()
+    prompts = [torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 9)]
+    tau = evaluate_acceptance_length(target, drafter, prompts, max_new_tokens=12)
+    assert 1 <= tau <= BLOCK_SIZE
+    assert next(drafter.parameters()).dtype == torch.float32 and drafter.training  # not moved by generate()
+
+
+def small_config(tmp_path, data, output, **overrides):
+    values = dict(
+        target="unused", data=str(data), output=str(output), num_layers=1, block_size=BLOCK_SIZE, num_anchors=8,
+        batch_size=2, grad_accum=2, max_steps=4, lr=3e-3, save_every=2, keep_checkpoints=5, eval_every=100,
+        num_val_prompts=2, val_max_new_tokens=8, log_every=1, seed=0,
+    )
+    values.update(overrides)
+    return TrainingConfig(**values)
+
+
+def read_log(output):
+    return [json.loads(line) for line in open(output / "log.jsonl")]
+
+
+def test_checkpoint_resume_is_exact(tmp_path):
+    target = tiny_target()
+    write_shards(tmp_path / "data", target)
+    assert len(list(iter_training_examples(tmp_path / "data"))) == 16
+
+    full = train(small_config(tmp_path, tmp_path / "data", tmp_path / "a"), target=target)
+    assert full["step"] == 4 and full["resumed_from"] is None
+    assert full["val_acceptance_length"] >= 1
+    # An interrupted run: only the step-2 checkpoint exists; training the same config resumes from it.
+    (tmp_path / "b").mkdir()
+    shutil.copytree(tmp_path / "a" / "checkpoint-00000002", tmp_path / "b" / "checkpoint-00000002")
+    resumed = train(small_config(tmp_path, tmp_path / "data", tmp_path / "b"), target=target)
+    assert resumed["resumed_from"] == 2 and resumed["step"] == 4
+    assert [r["step"] for r in read_log(tmp_path / "b") if "loss" in r] == [3, 4]
+
+    final_a = DFlashDraftModel.from_pretrained(tmp_path / "a").state_dict()
+    final_b = DFlashDraftModel.from_pretrained(tmp_path / "b").state_dict()
+    assert all(torch.equal(final_a[name], final_b[name]) for name in final_a)
+    optimizer_a = torch.load(tmp_path / "a" / "checkpoint-00000004" / "optimizer.pt", weights_only=True)
+    optimizer_b = torch.load(tmp_path / "b" / "checkpoint-00000004" / "optimizer.pt", weights_only=True)
+    for i, state in optimizer_a["state"].items():
+        assert all(torch.equal(state[key], optimizer_b["state"][i][key]) for key in state)
+    losses_a = {r["step"]: r["loss"] for r in read_log(tmp_path / "a") if "loss" in r}
+    losses_b = {r["step"]: r["loss"] for r in read_log(tmp_path / "b") if "loss" in r}
+    assert losses_a[3] == losses_b[3] and losses_a[4] == losses_b[4]
+
+
+def test_cli_training_lowers_loss(tmp_path):
+    target = tiny_target()
+    write_shards(tmp_path / "data", target, num_examples=12)
+    target.save_pretrained(tmp_path / "target")
+    parser = add_train_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(
+        [
+            "--target", str(tmp_path / "target"), "--data", str(tmp_path / "data"), "--output", str(tmp_path / "out"),
+            "--num-layers", "1", "--block-size", str(BLOCK_SIZE), "--num-anchors", "16", "--max-steps", "40",
+            "--lr", "5e-3", "--log-every", "1", "--save-every", "100", "--eval-every", "100",
+            "--num-val-prompts", "2", "--val-max-new-tokens", "16", "--target-layer-ids", "1", "2",
+        ]
+    )
+    summary = run_train(args)
+    losses = [r["loss"] for r in read_log(tmp_path / "out") if "loss" in r]
+    assert len(losses) == 40
+    assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
+    assert summary["val_acceptance_length"] >= 1
+    drafter = DFlashDraftModel.from_pretrained(tmp_path / "out")
+    assert drafter.config.target_layer_ids == [1, 2] and drafter.config.block_size == BLOCK_SIZE
