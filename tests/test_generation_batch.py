@@ -1,0 +1,87 @@
+"""Batched DFlash decoding: every row of a left-padded batch equals plain `generate()` on that row alone.
+
+These tests run in float32: transformers' eager attention turns fully padded query rows into NaN in float64.
+"""
+
+import random
+
+import pytest
+import torch
+from conftest import PAD, VOCAB, make_drafter, make_target
+
+
+def _left_pad(prompts):
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), PAD, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = p
+        mask[i, width - len(p) :] = 1
+    return ids, mask
+
+
+def _assert_rows_match(out, prompts, singles):
+    width = max(len(p) for p in prompts)
+    for row, (prompt, single) in enumerate(zip(prompts, singles)):
+        start = width - len(prompt)
+        got = out[row, start : start + single.shape[0]]
+        assert torch.equal(got, single), f"row {row} differs from its single-row generate()"
+        assert (out[row, start + single.shape[0] :] == PAD).all(), f"row {row} is not padded after its end"
+        assert (out[row, :start] == PAD).all()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_batch_rows_equal_single_row_generate(seed, oracle):
+    rng = random.Random(seed)
+    arch = ["llama", "qwen3", "mistral", "gemma", "qwen2", "gemma2"][seed]
+    batch = [1, 2, 3, 5, 8, 4][seed]
+    block_size = rng.choice([3, 4, 6, 8])
+    max_new = rng.choice([9, 20, 31])
+    target = make_target(arch, attn=rng.choice(["eager", "sdpa"]), dtype=torch.float32, seed=seed, eos_token_id=None)
+    drafter = make_drafter(target, block_size=block_size, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, VOCAB, (rng.randint(1, 14),), generator=g) for _ in range(batch)]
+
+    # EOS tokens that rows hit at different steps (some rows may never hit them and run to max_new_tokens)
+    free = [target.generate(p[None], max_new_tokens=max_new, do_sample=False)[0, len(p) :] for p in prompts]
+    eos = sorted({int(f[rng.randrange(len(f))]) for f in free[: max(1, batch // 2)]})
+    kwargs = dict(max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=PAD)
+    singles = [target.generate(p[None], **kwargs)[0] for p in prompts]
+    oracle(singles, corrupt=0.3)
+    ids, mask = _left_pad(prompts)
+    out = target.generate(ids, attention_mask=mask, assistant_model=drafter, **kwargs)
+    _assert_rows_match(out, prompts, singles)
+    lengths = drafter.last_acceptance_lengths
+    if batch == 1:
+        lengths = [lengths]
+    for row, single in enumerate(singles):
+        assert sum(lengths[row]) == single.shape[0] - len(prompts[row])
+
+
+def test_batch_with_untrained_drafter_and_processors():
+    target = make_target("llama", dtype=torch.float32, eos_token_id=None)
+    drafter = make_drafter(target, block_size=5)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g) for n in (3, 9, 6)]
+    kwargs = dict(max_new_tokens=17, do_sample=False, repetition_penalty=1.4, pad_token_id=PAD)
+    singles = [target.generate(p[None], **kwargs)[0] for p in prompts]
+    ids, mask = _left_pad(prompts)
+    out = target.generate(ids, attention_mask=mask, assistant_model=drafter, **kwargs)
+    _assert_rows_match(out, prompts, singles)
+
+
+def test_right_padding_is_refused_clearly():
+    target = make_target("llama")
+    drafter = make_drafter(target)
+    ids = torch.tensor([[5, 6, 7, PAD], [5, 6, 7, 8]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    with pytest.raises(ValueError, match="padding_side='left'"):
+        target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=4)
+
+
+def test_mask_shape_mismatch_is_refused_clearly():
+    target = make_target("llama")
+    drafter = make_drafter(target)
+    ids = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8]])
+    with pytest.raises(ValueError, match="attention_mask has shape"):
+        target.generate(ids, attention_mask=torch.ones(2, 3, dtype=torch.long), assistant_model=drafter, max_new_tokens=4)
