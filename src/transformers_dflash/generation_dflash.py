@@ -326,7 +326,7 @@ def _new_target_cache(target: nn.Module, model_kwargs: dict, generation_config):
             "cropped. Do not pass a cache object (a DynamicCache is created for you)."
         )
     implementation = getattr(generation_config, "cache_implementation", None)
-    if implementation not in (None, "dynamic"):
+    if implementation not in (None, "dynamic", "dynamic_full"):
         raise ValueError(
             f"cache_implementation={implementation!r} cannot be cropped after rejected drafts; DFlash decoding needs a "
             "dynamic cache. Remove `cache_implementation` from the generate() call or generation config."
@@ -650,9 +650,12 @@ def _generate_output(sequences, row_scores, row_logits, cache, prompt_len, num_s
     )
 
 
-def prepare_generate_kwargs(drafter: nn.Module, target: nn.Module, kwargs: dict) -> dict:
+def prepare_generate_kwargs(drafter: nn.Module, target: nn.Module, args: tuple, kwargs: dict) -> dict:
     """Checks run by the `generate` hook before transformers' own, so errors name the DFlash-specific fix."""
     check_drafter_fits_target(drafter, target)
+    inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    if isinstance(inputs, torch.Tensor) and inputs.dim() == 2:
+        _check_padding(kwargs.get("attention_mask"), inputs)
     generation_config = kwargs.get("generation_config") or target.generation_config
     num_beams = kwargs.get("num_beams", getattr(generation_config, "num_beams", 1)) or 1
     if num_beams > 1:
@@ -665,6 +668,12 @@ def prepare_generate_kwargs(drafter: nn.Module, target: nn.Module, kwargs: dict)
         raise ValueError(
             f"num_return_sequences={num_return} cannot be combined with a DFlash drafter. Repeat the prompt in the "
             "batch instead (input_ids.repeat(n, 1)) to get several samples."
+        )
+    implementation = kwargs.get("cache_implementation", getattr(generation_config, "cache_implementation", None))
+    if implementation not in (None, "dynamic", "dynamic_full"):
+        raise ValueError(
+            f"cache_implementation={implementation!r} cannot be cropped after rejected drafts; DFlash decoding needs a "
+            "dynamic cache. Remove `cache_implementation` from the generate() call or generation config."
         )
     if kwargs.get("speculation_type") == "dflash":
         kwargs = dict(kwargs)
@@ -687,7 +696,7 @@ def install_generation_hook() -> None:
     def generate(self, *args, **kwargs):
         drafter = kwargs.get("assistant_model")
         if getattr(drafter, "is_dflash_drafter", False):
-            kwargs = drafter._dflash_prepare_generate(self, kwargs)
+            kwargs = drafter._dflash_prepare_generate(self, args, kwargs)
         return original_generate(self, *args, **kwargs)
 
     @functools.wraps(original_assisted_decoding)

@@ -277,6 +277,47 @@ class DFlashDraftModel(DFlashPreTrainedModel):
     def get_input_embeddings(self):
         return None  # borrowed from the target
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """`PreTrainedModel.from_pretrained`, made strict: a drafter with missing, unexpected or mis-shaped tensors
+        would draft garbage silently, so those raise a ValueError that names them. Weights load from safetensors
+        only (pickled `.bin` files can run code when loaded)."""
+        if kwargs.pop("use_safetensors", True) is False:
+            raise ValueError("DFlash drafters load from safetensors only; pickled weights are refused.")
+        wants_info = kwargs.pop("output_loading_info", False)
+        try:
+            model, info = super().from_pretrained(
+                pretrained_model_name_or_path, *model_args, use_safetensors=True, output_loading_info=True, **kwargs
+            )
+        except RuntimeError as error:  # transformers reports shape mismatches as RuntimeError("size mismatch ...")
+            if "mismatch" in str(error).lower():
+                raise ValueError(
+                    f"The checkpoint in {pretrained_model_name_or_path} has tensors whose shapes do not match its "
+                    f"config.json; it is corrupt or its config belongs to another drafter. Details: {error}"
+                ) from error
+            raise
+        except OSError as error:
+            if "safetensors" in str(error) or ".bin" in str(error):
+                raise ValueError(
+                    f"No model.safetensors in {pretrained_model_name_or_path}: DFlash drafters load from safetensors "
+                    "only (pickled .bin weights can run code). Convert the weights with safetensors.torch.save_file."
+                ) from error
+            raise
+        problems = {
+            "missing": list(info.get("missing_keys", [])),
+            "unexpected": list(info.get("unexpected_keys", [])),
+            "mis-shaped": [str(m) for m in info.get("mismatched_keys", [])],
+        }
+        problems = {kind: keys for kind, keys in problems.items() if keys}
+        if problems:
+            details = "; ".join(f"{kind} tensors: {sorted(keys)[:8]}" for kind, keys in problems.items())
+            raise ValueError(
+                f"The checkpoint in {pretrained_model_name_or_path} does not match the DFlash drafter layout ({details}). "
+                "A DFlash checkpoint stores layers.{i}.self_attn.{q,k,v,o}_proj, q_norm, k_norm, mlp.{gate,up,down}_proj, "
+                "input/post_attention_layernorm, fc, hidden_norm and norm weights."
+            )
+        return (model, info) if wants_info else model
+
     def forward(
         self,
         block_embeddings: torch.Tensor,
@@ -394,8 +435,8 @@ class DFlashDraftModel(DFlashPreTrainedModel):
 
     # The generation hook calls these two through the drafter, so that a drafter loaded with `trust_remote_code`
     # runs the generation code saved next to it, even when another copy of this package installed the hook.
-    def _dflash_prepare_generate(self, target, kwargs):
-        return prepare_generate_kwargs(self, target, kwargs)
+    def _dflash_prepare_generate(self, target, args, kwargs):
+        return prepare_generate_kwargs(self, target, args, kwargs)
 
     def _dflash_decoding(self, target, input_ids, *args, **kwargs):
         return dflash_decoding(target, self, input_ids, *args, **kwargs)
