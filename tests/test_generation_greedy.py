@@ -165,13 +165,25 @@ def test_float32_and_untrained_drafter_never_change_output():
         assert torch.equal(target.generate(prompt, max_new_tokens=35, do_sample=False, assistant_model=drafter), expected)
 
 
-def test_drafter_in_another_dtype_is_moved_to_the_target():
+def test_drafter_in_another_dtype_works_and_is_left_alone():
     target = make_target("llama", dtype=torch.float64, eos_token_id=None)
     drafter = make_drafter(target).to(torch.float32)
     prompt = random_prompt(5, seed=1)
     expected = target.generate(prompt, max_new_tokens=10, do_sample=False)
     assert torch.equal(target.generate(prompt, max_new_tokens=10, do_sample=False, assistant_model=drafter), expected)
-    assert next(drafter.parameters()).dtype == torch.float64
+    assert next(drafter.parameters()).dtype == torch.float32
+
+
+def test_rope_survives_dtype_casts_and_reloading(tmp_path):
+    from transformers_dflash.modeling_dflash import _rope_inverse_frequencies
+
+    target = make_target("llama", dtype=torch.float32)
+    drafter = make_drafter(target).to(torch.bfloat16)
+    exact = _rope_inverse_frequencies(drafter.config)
+    assert torch.equal(drafter.rotary_emb.inv_freq(torch.device("cpu")), exact)
+    drafter.save_pretrained(tmp_path)
+    reloaded = type(drafter).from_pretrained(tmp_path)
+    assert torch.equal(reloaded.rotary_emb.inv_freq(torch.device("cpu")), exact)
 
 
 def test_speculation_type_dflash_call_convention():

@@ -389,31 +389,55 @@ def load_prompt_templates() -> tuple[dict, ...]:
 
 def _fill(template: str, slots: dict, rng: random.Random) -> str:
     """Fill `{slot}`, `{slot#k}` (an independent, different draw of slot), `{int:A:B}` (fresh number each time) and
-    `{int:A:B#k}` (one number per k). Repeating the same named placeholder repeats its value."""
-    chosen: dict[str, Any] = {}
+    `{int:A:B#k}` (one number per k). Repeating the same named placeholder repeats its value. An article 'a' written
+    just before a placeholder becomes 'an' where the value needs it."""
+    chosen: dict[str, str] = {}
     used: dict[str, set] = {}
-
-    def sub(m: re.Match) -> str:
+    pieces: list[str] = []
+    pos = 0
+    for m in _PLACEHOLDER.finditer(template):
         full, base, lo, hi, tag = m.group(0), m.group(1), m.group(2), m.group(3), m.group(4)
         if lo is not None and tag is None:
-            return str(rng.randint(int(lo), int(hi)))
-        if full in chosen:
-            return chosen[full]
-        if lo is not None:
             value = str(rng.randint(int(lo), int(hi)))
+        elif full in chosen:
+            value = chosen[full]
         else:
-            options = slots[base]
-            taken = used.setdefault(base, set())
-            value = rng.choice(options)
-            for _ in range(20):
-                if value not in taken:
-                    break
+            if lo is not None:
+                value = str(rng.randint(int(lo), int(hi)))
+            else:
+                options = slots[base]
+                taken = used.setdefault(base, set())
                 value = rng.choice(options)
-            taken.add(value)
-        chosen[full] = value
-        return value
+                for _ in range(20):
+                    if value not in taken:
+                        break
+                    value = rng.choice(options)
+                taken.add(value)
+            chosen[full] = value
+        literal = template[pos:m.start()]
+        if _needs_an(value):
+            literal = _ARTICLE_BEFORE.sub(lambda a: a.group(1) + "n ", literal)
+        pieces += [literal, value]
+        pos = m.end()
+    pieces.append(template[pos:])
+    return "".join(pieces)
 
-    return _PLACEHOLDER.sub(sub, template)
+
+_ARTICLE_BEFORE = re.compile(r"(?:(?<=\s)|^)([Aa]) $")
+_AN_EXCEPTIONS = ("uni", "use", "usu", "one", "eu", "once")
+
+
+def _needs_an(value: str) -> bool:
+    """Whether a value starts with a vowel sound ('an inspiring poem', 'an 8-day plan', 'an R function')."""
+    word = re.match(r"[\w-]*", value).group(0)
+    if not word:
+        return False
+    low = word.lower()
+    if word[0].isdigit():
+        return low.startswith("8") or re.match(r"(11|18)(\D|$)", low) is not None
+    if len(word) == 1 or (word.isupper() and len(word) <= 4):  # letters and acronyms: an R, an SQL, an HTTP
+        return low[0] in "aefhilmnorsx"
+    return low[0] in "aeiou" and not low.startswith(_AN_EXCEPTIONS)
 
 
 def compose_prompts(n: int, seed: int = 0, categories: Sequence[str] | None = None) -> list[str]:

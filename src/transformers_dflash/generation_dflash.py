@@ -66,8 +66,10 @@ def _decoder_layers(target: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
 
 
 def check_drafter_fits_target(drafter: nn.Module, target: nn.Module) -> None:
-    """Raise a ValueError that says what to fix when `drafter` cannot draft for `target`; move it to the target's
-    device and dtype when it sits elsewhere."""
+    """Raise a ValueError that says what to fix when `drafter` cannot draft for `target`.
+
+    A drafter on another device or in another dtype than the target is fine: `DFlashCandidateGenerator` moves the
+    small per-step tensors across (a float32 drafter next to a bfloat16 target is a common training set-up)."""
     config = drafter.config
     target_config = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
     if getattr(target.config, "is_encoder_decoder", False):
@@ -115,14 +117,6 @@ def check_drafter_fits_target(drafter: nn.Module, target: nn.Module) -> None:
             f"The drafter's fc expects {drafter.fc.in_features} input features but {len(config.target_layer_ids)} "
             f"target layers x hidden {config.hidden_size} give {expected_in}: target_layer_ids do not match the weights."
         )
-    param = next(target.parameters())
-    drafter_param = next(drafter.parameters())
-    if drafter_param.device != param.device or drafter_param.dtype != param.dtype:
-        logger.warning(
-            "Moving the DFlash drafter from %s/%s to the target's %s/%s.",
-            drafter_param.device, drafter_param.dtype, param.device, param.dtype,
-        )
-        drafter.to(device=param.device, dtype=param.dtype)
 
 
 class DFlashDrafterCache:
@@ -204,6 +198,8 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.max_length = getattr(generation_config, "max_length", None)
         self.logits_processor = logits_processor
         self.cache = DFlashDrafterCache(self.config.num_hidden_layers)
+        drafter_param = next(drafter.parameters())
+        self.drafter_device, self.drafter_dtype = drafter_param.device, drafter_param.dtype
         self.num_captured_valid = 0
 
         # Forward hooks keep the chosen layers' outputs. hidden_states[i + 1] in transformers is the output of layer
@@ -257,16 +253,18 @@ class DFlashCandidateGenerator(CandidateGenerator):
             context_features = context_features.masked_fill(~new_valid[..., None], 0)
             keys_valid = torch.cat([context_mask.bool(), context_mask.new_ones(batch, self.block_size).bool()], dim=1)
             attention_mask = keys_valid[:, None, None, :].expand(batch, 1, self.block_size, keys_valid.shape[1])
+        device, dtype = self.drafter_device, self.drafter_dtype
         hidden = self.drafter(
-            block_embeddings=self.embed_tokens(block_ids),
-            context_features=context_features,
-            block_position_ids=block_position_ids,
-            context_position_ids=context_position_ids,
-            attention_mask=attention_mask,
+            block_embeddings=self.embed_tokens(block_ids).to(device, dtype),
+            context_features=context_features.to(device, dtype),
+            block_position_ids=block_position_ids.to(device),
+            context_position_ids=context_position_ids.to(device),
+            attention_mask=attention_mask.to(device) if attention_mask is not None else None,
             cache=self.cache,
         ).last_hidden_state
         # Only the rows we will verify go through the (large) LM head.
-        return self.lm_head(hidden[:, 1 : 1 + num_draft]).argmax(dim=-1)
+        hidden = hidden[:, 1 : 1 + num_draft].to(self.lm_head.weight.device, self.lm_head.weight.dtype)
+        return self.lm_head(hidden).argmax(dim=-1).to(anchor_ids.device)
 
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, None]:
         """`CandidateGenerator` protocol (batch 1): the full sequence followed by the drafted tokens.

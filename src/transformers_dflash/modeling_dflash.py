@@ -82,13 +82,26 @@ def _rope_inverse_frequencies(config: DFlashConfig) -> torch.Tensor:
 
 
 class DFlashRotaryEmbedding(nn.Module):
+    """RoPE cos/sin for absolute positions.
+
+    The inverse frequencies are computed from the config in float32 and kept per device OUTSIDE the module's
+    buffers: a buffer would be rounded by `drafter.to(torch.bfloat16)` (angles drift by radians at long positions) and
+    is left uninitialised by transformers 5's meta-device loading.
+    """
+
     def __init__(self, config: DFlashConfig):
         super().__init__()
-        self.register_buffer("inv_freq", _rope_inverse_frequencies(config), persistent=False)
+        self.config = config
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        if device not in self._inv_freq:
+            self._inv_freq[device] = _rope_inverse_frequencies(self.config).to(device)
+        return self._inv_freq[device]
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq.to(x.device)
+        freqs = position_ids[..., None].float() * self.inv_freq(x.device)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 

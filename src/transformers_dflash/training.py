@@ -33,7 +33,6 @@ lists, dicts and plain Python values. `iter_training_examples(data_dir)` reads t
 
 import argparse
 import contextlib
-import copy
 import json
 import math
 import random
@@ -47,7 +46,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .modeling_dflash import DFlashDraftModel, _rope_inverse_frequencies
+from .modeling_dflash import DFlashDraftModel
 
 SHARD_PATTERN = re.compile(r"shard-(\d{5,})\.pt")
 CHECKPOINT_PREFIX = "checkpoint-"
@@ -368,18 +367,6 @@ def dflash_loss(
 # Validation: real speculative decoding
 
 
-def exact_rope_frequencies(drafter: nn.Module) -> None:
-    """Reset the drafter's RoPE inverse frequencies to their exact float32 values.
-
-    Two ways they go wrong: `.to(bfloat16)` (done by `from_target` for a bf16 target) rounds them by up to 0.2%, which
-    turns the angle of position p by up to 0.002 * p * inv_freq radians (several radians at p = 3000); and
-    transformers 5's `from_pretrained` leaves this non-persistent buffer uninitialised. A drafter loaded for inference
-    with `from_pretrained` (transformers 4) has the exact float32 values, so training and validation use those.
-    """
-    inv_freq = drafter.rotary_emb.inv_freq
-    drafter.rotary_emb.inv_freq = _rope_inverse_frequencies(drafter.config).to(inv_freq.device)
-
-
 @torch.no_grad()
 def evaluate_acceptance_length(
     target: nn.Module, drafter: nn.Module, prompts: list[torch.Tensor], max_new_tokens: int = 128
@@ -387,13 +374,9 @@ def evaluate_acceptance_length(
     """Mean acceptance length (tau, bonus token included) of greedy DFlash decoding over `prompts` (1-D id tensors).
 
     Pools every verification step of every prompt: total tokens gained / number of target forwards (prefill excluded).
-    When the drafter's dtype or device differs from the target's (fp32 master weights of a bf16 target), a converted
-    copy decodes: `generate()` would otherwise move the drafter being trained.
+    The drafter may keep its own dtype (fp32 master weights next to a bf16 target): decoding casts at its boundary.
     """
-    target_param, drafter_param = next(target.parameters()), next(drafter.parameters())
-    if (drafter_param.dtype, drafter_param.device) != (target_param.dtype, target_param.device):
-        drafter = copy.deepcopy(drafter).to(device=target_param.device, dtype=target_param.dtype)
-        exact_rope_frequencies(drafter)  # as a drafter loaded with from_pretrained(dtype=...) has them
+    target_param = next(target.parameters())
     was_training = drafter.training
     drafter.eval()
     steps = []
@@ -559,7 +542,6 @@ def train(config: TrainingConfig, target: nn.Module | None = None) -> dict:
             num_target_features=config.num_target_features,
         )
     drafter.float().train()
-    exact_rope_frequencies(drafter)
     if drafter.config._attn_implementation in (None, "flash_attention_2"):
         drafter.config._attn_implementation = "sdpa"  # FlashAttention-2 cannot express the packed-block mask
 
