@@ -92,7 +92,8 @@ class DFlashRotaryEmbedding(nn.Module):
     def __init__(self, config: DFlashConfig):
         super().__init__()
         self.config = config
-        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+        inv_freq = _rope_inverse_frequencies(config)  # also validates the RoPE settings at construction
+        self._inv_freq: dict[torch.device, torch.Tensor] = {inv_freq.device: inv_freq}
 
     def inv_freq(self, device: torch.device) -> torch.Tensor:
         if device not in self._inv_freq:
