@@ -175,6 +175,24 @@ def test_resume_skips_finished_shards(target, tokenizer, tmp_path):
         _regen(target, tokenizer, PROMPTS[:-1], out, batch_size=2, shard_size=4)
 
 
+def test_lost_manifest_is_rebuilt_from_checked_shards(target, tokenizer, tmp_path):
+    first = _regen(target, tokenizer, PROMPTS, tmp_path / "a", batch_size=4, shard_size=4)
+    (tmp_path / "a" / "manifest.json").unlink()
+    calls = []
+    target.generate = lambda *a, **k: calls.append(1)
+    try:
+        rebuilt = _regen(target, tokenizer, PROMPTS, tmp_path / "a", batch_size=4, shard_size=4)
+    finally:
+        del target.generate
+    assert not calls and rebuilt["complete"] and rebuilt["totals"] == first["totals"]
+    # a shard answering other prompts is refused
+    _regen(target, tokenizer, PROMPTS[::-1], tmp_path / "b", batch_size=4, shard_size=4)
+    (tmp_path / "a" / "manifest.json").unlink()
+    (tmp_path / "a" / "shard-00001.pt").write_bytes((tmp_path / "b" / "shard-00001.pt").read_bytes())
+    with pytest.raises(data.ResumeMismatchError, match=r"shard-00001\.pt"):
+        _regen(target, tokenizer, PROMPTS, tmp_path / "a", batch_size=4, shard_size=4)
+
+
 def test_max_shards_then_resume(target, tokenizer, tmp_path):
     m = _regen(target, tokenizer, PROMPTS, tmp_path, batch_size=4, shard_size=4, max_shards=2)
     assert m["shards_done"] == 2 and not m["complete"]
@@ -257,7 +275,7 @@ def test_sampling_is_reproducible(target, tokenizer, tmp_path):
         assert torch.equal(a["input_ids"], b["input_ids"])
 
 
-def test_cli_arguments_and_jsonl(target, tokenizer, tmp_path, monkeypatch):
+def test_cli_arguments_and_jsonl(target, tokenizer, tmp_path, capsys):
     import argparse
 
     parser = data.add_regenerate_arguments(argparse.ArgumentParser())
@@ -266,13 +284,19 @@ def test_cli_arguments_and_jsonl(target, tokenizer, tmp_path, monkeypatch):
         {"prompt": "what is the cat"}, {"instruction": "write a poem", "input": "red cat"},
         {"turns": ["hello world", "and then"]}]) + "\n")
     assert data.load_jsonl_prompts(prompt_file) == ["what is the cat", "write a poem\n\nred cat", "hello world"]
-    args = parser.parse_args(["--target", "tiny", "--prompts", str(prompt_file), "--out", str(tmp_path / "o"),
+    model_dir = tmp_path / "tiny-target"
+    target.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    args = parser.parse_args(["--target", str(model_dir), "--prompts", str(prompt_file), "--out", str(tmp_path / "o"),
                               "--max-new-tokens", "4", "--no-progress", "--device", "cpu", "--dtype", "float32"])
-    monkeypatch.setattr(data, "_load_target", lambda spec, tok, device, dtype: (target, tokenizer, spec))
     assert data.run_regenerate(args) == 0
     manifest = data.read_manifest(tmp_path / "o")
-    assert manifest["target"] == "tiny" and manifest["num_prompts"] == 3 and manifest["complete"]
+    assert manifest["target"] == str(model_dir) and manifest["num_prompts"] == 3 and manifest["complete"]
     assert manifest["prompt_source"].startswith("file:")
+    assert "3 examples" in capsys.readouterr().out
+    with pytest.raises(data.DataError, match="no such directory"):
+        data.run_regenerate(parser.parse_args(["--target", str(tmp_path / "missing"), "--prompts", str(prompt_file),
+                                               "--out", str(tmp_path / "o2")]))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "no usable field"}\n')
     with pytest.raises(data.DataError, match="prompt"):

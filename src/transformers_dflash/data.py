@@ -971,7 +971,23 @@ def regenerate(
         manifest.update(shards_done=len(shards_info), complete=len(shards_info) == num_shards, totals=totals,
                         updated=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 
-    # Adopt shards that exist on disk (finished before an interruption); verify those the manifest does not know.
+    def encode_shard(s: int) -> tuple[list[tuple[int, list[int]]], int, int]:
+        """(prompt index, chat-formatted token ids) of shard `s`'s usable prompts, and the skipped counts."""
+        skipped_empty = skipped_long = 0
+        encoded = []
+        for i in range(s * shard_size, min(num_prompts, (s + 1) * shard_size)):
+            if not prompts[i].strip():
+                skipped_empty += 1
+                continue
+            ids = _chat_token_ids(tokenizer, prompts[i], system_prompt, chat_template, chat_template_kwargs)
+            if limit is not None and len(ids) + max_new_tokens > limit:
+                skipped_long += 1
+                continue
+            encoded.append((i, ids))
+        return encoded, skipped_empty, skipped_long
+
+    # Adopt shards that exist on disk (finished before an interruption). Those the manifest does not record (written
+    # just before a crash, or the manifest was deleted) are checked: readable, and holding exactly this shard's prompts.
     pending = []
     for s in range(num_shards):
         key = f"{s:05d}"
@@ -979,12 +995,19 @@ def regenerate(
         if path.exists():
             if key not in shards_info:
                 records = load_shard(path)
+                encoded, skipped_empty, skipped_long = encode_shard(s)
+                if [r["input_ids"][~r["loss_mask"]].tolist() for r in records] != [ids for _, ids in encoded]:
+                    raise ResumeMismatchError(
+                        f"{path} does not hold the responses to this run's prompts {s * shard_size}.."
+                        f"{min(num_prompts, (s + 1) * shard_size) - 1} (made from other prompts or settings). Delete "
+                        f"it, or use another --out directory."
+                    )
                 data = path.read_bytes()
                 shards_info[key] = {
                     "file": path.name, "examples": len(records),
                     "tokens": sum(r["input_ids"].numel() for r in records),
                     "response_tokens": sum(int(r["loss_mask"].sum()) for r in records),
-                    "skipped_empty": 0, "skipped_too_long": 0,
+                    "skipped_empty": skipped_empty, "skipped_too_long": skipped_long,
                     "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
                 }
         else:
@@ -1012,18 +1035,7 @@ def regenerate(
         for s in pending:
             if max_shards is not None and written >= max_shards:
                 break
-            lo, hi = s * shard_size, min(num_prompts, (s + 1) * shard_size)
-            skipped_empty = skipped_long = 0
-            encoded: list[tuple[int, list[int]]] = []
-            for i in range(lo, hi):
-                if not prompts[i].strip():
-                    skipped_empty += 1
-                    continue
-                ids = _chat_token_ids(tokenizer, prompts[i], system_prompt, chat_template, chat_template_kwargs)
-                if limit is not None and len(ids) + max_new_tokens > limit:
-                    skipped_long += 1
-                    continue
-                encoded.append((i, ids))
+            encoded, skipped_empty, skipped_long = encode_shard(s)
             if skipped_long:
                 logger.warning("shard %d: %d prompt(s) skipped: prompt + max_new_tokens (%d) exceeds the context limit "
                                "(%d tokens)", s, skipped_long, max_new_tokens, limit)
@@ -1105,24 +1117,24 @@ def add_regenerate_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the target's)")
     parser.add_argument("--prompts", default="train",
                         help="'train', 'validation', 'mtbench', 'humaneval', or a JSONL file with a 'prompt', "
-                             "'instruction' or 'turns' field per line (default: train)")
+                             "'instruction' or 'turns' field per line")
     parser.add_argument("--out", required=True, help="output directory for shard-XXXXX.pt files and manifest.json")
     parser.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     parser.add_argument("--num-composed", type=int, default=DEFAULT_NUM_COMPOSED,
-                        help=f"composed prompts in the train/validation pool (default {DEFAULT_NUM_COMPOSED})")
+                        help="composed prompts in the train/validation pool")
     parser.add_argument("--no-sharegpt", action="store_true",
                         help="leave ShareGPT prompts out of the train/validation pool")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--shard-size", type=int, default=256, help="prompts per shard (default 256)")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="response length cap in tokens")
+    parser.add_argument("--batch-size", type=int, default=8, help="prompts per generate() call")
+    parser.add_argument("--shard-size", type=int, default=256, help="prompts per shard file")
     parser.add_argument("--do-sample", action="store_true", help="sample responses instead of greedy decoding")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (with --do-sample)")
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling (with --do-sample)")
+    parser.add_argument("--top-k", type=int, default=None, help="top-k sampling (with --do-sample)")
     parser.add_argument("--seed", type=int, default=0, help="prompt shuffling and sampling seed")
     parser.add_argument("--max-length", type=int, default=None,
                         help="context limit in tokens (default: the model's); longer prompt+response are skipped")
-    parser.add_argument("--system-prompt", default=None)
+    parser.add_argument("--system-prompt", default=None, help="system message put before every prompt")
     parser.add_argument("--chat-template", default=None, metavar="FILE",
                         help="Jinja chat template file, for a tokenizer without one")
     parser.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
