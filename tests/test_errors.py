@@ -97,3 +97,10 @@ def test_bad_configs():
     with pytest.raises(ValueError, match="rope_type='yarn'"):
         DFlashDraftModel(DFlashConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                                       num_key_value_heads=2, rope_parameters={"rope_type": "yarn", "factor": 4.0}))
+
+
+def test_inputs_embeds_are_refused(target):
+    drafter = make_drafter(target)
+    embeds = target.get_input_embeddings()(random_prompt(4, seed=0))
+    with pytest.raises(ValueError, match="pass input_ids instead of inputs_embeds"):
+        target.generate(inputs_embeds=embeds, assistant_model=drafter, max_new_tokens=3)

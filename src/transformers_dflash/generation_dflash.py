@@ -651,6 +651,11 @@ def _generate_output(sequences, row_scores, row_logits, cache, prompt_len, num_s
 def prepare_generate_kwargs(drafter: nn.Module, target: nn.Module, args: tuple, kwargs: dict) -> dict:
     """Checks run by the `generate` hook before transformers' own, so errors name the DFlash-specific fix."""
     check_drafter_fits_target(drafter, target)
+    if kwargs.get("inputs_embeds") is not None:
+        raise ValueError(
+            "DFlash decoding needs token ids (the drafter embeds its blocks with the target's embedding table); pass "
+            "input_ids instead of inputs_embeds."
+        )
     inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
     if isinstance(inputs, torch.Tensor) and inputs.dim() == 2:
         _check_padding(kwargs.get("attention_mask"), inputs)
