@@ -10,8 +10,8 @@ itself (loss on response tokens only). This module provides:
   (:func:`compose_prompts`). :func:`build_training_prompts` deduplicates them, removes anything that overlaps the
   evaluation sets and holds out a validation split.
 * :func:`regenerate`: batched, left-padded ``generate()`` with the target, writing resumable shards
-  ``out_dir/shard-XXXXX.pt`` (a list of ``{"input_ids": LongTensor[L], "loss_mask": BoolTensor[L]}``; the mask is True on
-  response tokens only) plus ``out_dir/manifest.json``.
+  ``out_dir/shard-XXXXX.pt`` (a list of ``{"input_ids": LongTensor[L], "loss_mask": BoolTensor[L]}``; the mask is True
+  on response tokens only) plus ``out_dir/manifest.json``.
 * :func:`add_regenerate_arguments` / :func:`run_regenerate` for ``dflash regenerate``.
 """
 
@@ -192,7 +192,8 @@ def load_mtbench_prompts(path: str | os.PathLike | None = None) -> list[str]:
 
 
 def load_humaneval_problems(path: str | os.PathLike | None = None) -> list[dict]:
-    """The 164 HumanEval problems as dicts (``task_id``, ``prompt``, ``entry_point``, ``canonical_solution``, ``test``)."""
+    """The 164 HumanEval problems as dicts (``task_id``, ``prompt``, ``entry_point``, ``canonical_solution``,
+    ``test``)."""
     path = Path(path) if path is not None else _package_file(HUMANEVAL_PACKAGE, HUMANEVAL_FILE, HUMANEVAL_INSTALL,
                                                               "HumanEval problems")
     opener = gzip.open if path.suffix == ".gz" else open
