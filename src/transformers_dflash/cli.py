@@ -83,8 +83,27 @@ otherwise an untrained one (then acceptance is near 1 and there is no speedup).
 """
 
 
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    pass
+EPILOG = """\
+examples:
+  dflash demo                                   # SmolLM2 + DFlash, streamed, then timed
+  dflash demo --prompt "Write a haiku about rain." --max-new-tokens 64 --threads 1
+  dflash <command> --help                       # all options of one command
+"""
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps descriptions as written and appends "(default: ...)" to options whose help does not mention one."""
+
+    def _get_help_string(self, action):
+        help_text = action.help or ""
+        if (
+            "default" not in help_text
+            and action.default not in (None, False, argparse.SUPPRESS)
+            and action.option_strings
+            and action.nargs != 0
+        ):
+            help_text += " (default: %(default)s)"
+        return help_text
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -275,7 +294,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "else an untrained one)",
     )
     parser.add_argument(
-        "--threads", type=int, default=_default_threads(), help="CPU threads for torch (torch.set_num_threads)"
+        "--threads", type=int, default=_default_threads(), help="CPU threads for torch (torch.set_num_threads); on a busy machine, 1 is often faster"
     )
     parser.add_argument("--device", default=None, help="e.g. cpu or cuda (default: cuda when available, else cpu)")
     parser.add_argument(
@@ -379,7 +398,9 @@ def _optional_command(parser_factory, name, module_name, add_name, run_name, hel
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = argparse.ArgumentParser(prog="dflash", description=DESCRIPTION, formatter_class=_HelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="dflash", description=DESCRIPTION, epilog=EPILOG, formatter_class=_HelpFormatter
+    )
     parser.add_argument("--version", action="version", version=f"transformers-dflash {__version__}")
     commands = parser.add_subparsers(dest="command", title="commands", metavar="<command>")
 

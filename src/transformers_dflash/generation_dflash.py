@@ -572,10 +572,11 @@ def dflash_decoding(
             if not keep:
                 break
             kept_slots = max(num_new[i] for i in keep)  # anchor + accepted drafts of the longest continuing row
-            cache.crop(-(width - kept_slots)) if width > kept_slots else None
-            num_kept = torch.tensor(num_new, device=device).clamp(max=kept_slots)
-            verified = torch.arange(kept_slots, device=device)[None] < num_kept[:, None]
-            if context_mask is not None or not bool(verified.all()):
+            if width > kept_slots:
+                cache.crop(-(width - kept_slots))
+            if context_mask is not None or min(num_new) < kept_slots:  # some row left holes: track them
+                num_kept = torch.tensor(num_new, device=device).clamp(max=kept_slots)
+                verified = torch.arange(kept_slots, device=device)[None] < num_kept[:, None]
                 if context_mask is None:
                     total = cache.get_seq_length()
                     context_mask = torch.ones(rows, total - kept_slots, dtype=torch.long, device=device)

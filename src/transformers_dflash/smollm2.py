@@ -161,6 +161,10 @@ def _convert(gguf_path: Path, target_dir: Path) -> None:
             "conversion_seconds": round(time.perf_counter() - start, 1),
         }
         (tmp / _MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        # mkdtemp makes a private folder: open it up like any other cache folder before it goes live.
+        os.chmod(tmp, 0o755)
+        for file in tmp.iterdir():
+            os.chmod(file, 0o644)
         try:
             os.replace(tmp, target_dir)
         except OSError:

@@ -46,49 +46,15 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .data import list_shards, load_shard
 from .modeling_dflash import DFlashDraftModel
 
-SHARD_PATTERN = re.compile(r"shard-(\d{5,})\.pt")
 CHECKPOINT_PREFIX = "checkpoint-"
 TRAINING_STATE = "training_state.pt"  # written last: a checkpoint without it is incomplete and ignored
 
 
 # ------------------------------------------------------------------------------------------------------------------
 # Data
-
-
-def list_shards(data_dir: str | Path) -> list[Path]:
-    """The shard files of `data_dir` in shard-number order."""
-    found = []
-    for path in Path(data_dir).glob("shard-*.pt"):
-        match = SHARD_PATTERN.fullmatch(path.name)
-        if match:
-            found.append((int(match.group(1)), path))
-    if not found:
-        raise FileNotFoundError(f"No shard-XXXXX.pt files in {data_dir} (format: see transformers_dflash.training).")
-    return [path for _, path in sorted(found)]
-
-
-def load_shard(path: str | Path) -> list[dict]:
-    """One shard: a list of {"input_ids": long [S], "loss_mask": bool [S], ...}; checked on load."""
-    examples = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(examples, list):
-        raise ValueError(f"{path} holds a {type(examples).__name__}; a shard must hold a list of dicts.")
-    for i, example in enumerate(examples):
-        input_ids, loss_mask = example.get("input_ids"), example.get("loss_mask")
-        if (
-            not isinstance(input_ids, torch.Tensor)
-            or not isinstance(loss_mask, torch.Tensor)
-            or input_ids.dim() != 1
-            or input_ids.dtype != torch.long
-            or loss_mask.dtype != torch.bool
-            or loss_mask.shape != input_ids.shape
-        ):
-            raise ValueError(
-                f"Example {i} of {path} does not follow the shard format: it needs 'input_ids' (1-D torch.long) and "
-                "'loss_mask' (1-D torch.bool, same length)."
-            )
-    return examples
 
 
 def iter_training_examples(data_dir: str | Path):
