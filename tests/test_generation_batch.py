@@ -85,3 +85,38 @@ def test_mask_shape_mismatch_is_refused_clearly():
     ids = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8]])
     with pytest.raises(ValueError, match="attention_mask has shape"):
         target.generate(ids, attention_mask=torch.ones(2, 3, dtype=torch.long), assistant_model=drafter, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("draft_length", [0.0, 0.3, 0.9, "auto"])
+def test_adaptive_draft_length_is_lossless(draft_length, oracle):
+    target = make_target("qwen3", dtype=torch.float32, eos_token_id=None)
+    drafter = make_drafter(target, block_size=8)
+    drafter.draft_length = draft_length
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g) for n in (4, 10, 7)]
+    kwargs = dict(max_new_tokens=30, do_sample=False, pad_token_id=PAD)
+    singles = [target.generate(p[None], **kwargs)[0] for p in prompts]
+    oracle(singles, corrupt=0.3)
+    ids, mask = _left_pad(prompts)
+    _assert_rows_match(target.generate(ids, attention_mask=mask, assistant_model=drafter, **kwargs), prompts, singles)
+    assert torch.equal(target.generate(prompts[0][None], assistant_model=drafter, **kwargs)[0], singles[0])
+
+
+def test_draft_length_policy_rules():
+    from transformers_dflash.generation_dflash import DraftLengthPolicy
+
+    confidence = torch.tensor([[0.9, 0.9, 0.5, 0.9], [0.95, 0.2, 0.9, 0.9]])  # cumulative: .9 .81 .405 .36 / .95 .19
+    assert DraftLengthPolicy(threshold=0.5).num_to_verify(confidence) == 2  # the widest row wins
+    assert DraftLengthPolicy(threshold=0.95).num_to_verify(confidence) == 1
+    auto = DraftLengthPolicy(auto=True)
+    assert auto.num_to_verify(confidence) == 4  # explores the full block first...
+    auto.record(5, 1.0)
+    assert auto.num_to_verify(confidence) == 2  # ... then half of it
+    auto.record(3, 0.6)  # 0.2 s per verified token on top of 0 s: verification cost dominates
+    assert auto.num_to_verify(confidence) == 0
+    cheap = DraftLengthPolicy(auto=True)
+    cheap.record(5, 1.0)
+    cheap.record(1, 0.99)  # nearly free extra tokens (a GPU): verify everything
+    assert cheap.num_to_verify(confidence) == 4
+    with pytest.raises(ValueError, match="draft_length"):
+        DraftLengthPolicy.from_setting(1.5)

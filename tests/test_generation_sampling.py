@@ -17,6 +17,7 @@ from transformers_dflash import DFlashCandidateGenerator
 VOCAB, NEW, SAMPLES, TEMPERATURE, TOP_K = 6, 3, 4000, 0.8, 4
 
 
+@torch.no_grad()
 def _exact_distribution(target, prompt):
     warpers = LogitsProcessorList([TemperatureLogitsWarper(TEMPERATURE), TopKLogitsWarper(TOP_K)])
     probs = {}

@@ -33,6 +33,7 @@ are tracked per row, so RoPE sees true positions despite holes and left padding.
 import functools
 import inspect
 import logging
+import time
 import weakref
 
 import torch
@@ -172,6 +173,70 @@ class DFlashDrafterCache:
         self.positions = self.positions[indices] if self.positions is not None else None
 
 
+class DraftLengthPolicy:
+    """How many of a block's drafts to verify (adaptive draft length). Verifying fewer drafts is always lossless.
+
+    Verification cost grows with the number of tokens on CPUs and at large batch, so low-confidence drafts can cost
+    more than they are expected to gain. Set `drafter.draft_length` to:
+
+    - `None` (default): verify the whole block;
+    - a float threshold `t`: verify drafts while the cumulative drafter confidence (the product of the drafter's
+      probabilities of its own proposals) stays >= t;
+    - `"auto"`: pick the length k that maximises expected tokens per second,
+      `(1 + sum_{j<=k} P_j) / (a + b * (k + 1))`, with `P_j` the cumulative confidence and `a + b * width` the step
+      time, fitted by least squares to the step times measured in this generate() call (the first steps verify the
+      full block and half of it, so the fit has two widths to start from).
+
+    For a batch, every row's choice is computed and the widest wins (rows share one verification forward).
+    """
+
+    def __init__(self, threshold: float | None = None, auto: bool = False):
+        self.threshold, self.auto = threshold, auto
+        self.samples: list[tuple[int, float]] = []  # (verified width, seconds of the step)
+
+    @classmethod
+    def from_setting(cls, setting):
+        if setting is None:
+            return None
+        if setting == "auto":
+            return cls(auto=True)
+        if isinstance(setting, (int, float)) and 0.0 <= float(setting) <= 1.0:
+            return cls(threshold=float(setting))
+        raise ValueError(
+            f"drafter.draft_length={setting!r} is not valid: use None (whole block), a confidence threshold in "
+            "[0, 1], or 'auto'."
+        )
+
+    def record(self, width: int, seconds: float):
+        self.samples.append((width, seconds))
+
+    def _cost_line(self):
+        widths = {w for w, _ in self.samples}
+        if len(widths) < 2:
+            return None
+        n = len(self.samples)
+        mean_w = sum(w for w, _ in self.samples) / n
+        mean_t = sum(t for _, t in self.samples) / n
+        var = sum((w - mean_w) ** 2 for w, _ in self.samples)
+        slope = max(sum((w - mean_w) * (t - mean_t) for w, t in self.samples) / var, 0.0)
+        return mean_t - slope * mean_w, slope
+
+    def num_to_verify(self, confidence: torch.Tensor) -> int:
+        """Drafts to verify, from per-row confidences `[rows, num_draft]`."""
+        num_draft = confidence.shape[1]
+        cumulative = confidence.cumprod(dim=1)
+        if not self.auto:
+            return int((cumulative >= self.threshold).sum(dim=1).max())
+        line = self._cost_line()
+        if line is None:  # explore: full block, then half of it
+            return num_draft if not self.samples else max(1, num_draft // 2)
+        intercept, slope = line
+        k = torch.arange(num_draft + 1, device=confidence.device, dtype=torch.float32)
+        gained = 1 + torch.cat([cumulative.new_zeros(cumulative.shape[0], 1), cumulative.cumsum(dim=1)], dim=1)
+        rate = gained / (max(intercept, 1e-9) + slope * (k + 1))
+        return int(rate.argmax(dim=1).max())
+
+
 class DFlashCandidateGenerator(CandidateGenerator):
     """Drafts a block of tokens per step with a DFlash drafter, from the target's own hidden states.
 
@@ -198,6 +263,8 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.max_length = getattr(generation_config, "max_length", None)
         self.logits_processor = logits_processor
         self.cache = DFlashDrafterCache(self.config.num_hidden_layers)
+        self.draft_length_policy = DraftLengthPolicy.from_setting(getattr(drafter, "draft_length", None))
+        self.last_confidence = None
         drafter_param = next(drafter.parameters())
         self.drafter_device, self.drafter_dtype = drafter_param.device, drafter_param.dtype
         self.num_captured_valid = 0
@@ -264,7 +331,12 @@ class DFlashCandidateGenerator(CandidateGenerator):
         ).last_hidden_state
         # Only the rows we will verify go through the (large) LM head.
         hidden = hidden[:, 1 : 1 + num_draft].to(self.lm_head.weight.device, self.lm_head.weight.dtype)
-        return self.lm_head(hidden).argmax(dim=-1).to(anchor_ids.device)
+        logits = self.lm_head(hidden)
+        self.last_confidence = None
+        if self.draft_length_policy is not None:
+            # Probability the drafter gives its own proposal: a cheap estimate of each draft's chance of acceptance.
+            self.last_confidence = torch.softmax(logits.float(), dim=-1).amax(dim=-1).to(anchor_ids.device)
+        return logits.argmax(dim=-1).to(anchor_ids.device)
 
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, None]:
         """`CandidateGenerator` protocol (batch 1): the full sequence followed by the drafted tokens.
@@ -546,9 +618,12 @@ def dflash_decoding(
             budget = max(prompt_len + max_new_tokens - lengths[r] for r in active)
             num_draft = min(block_size - 1, budget - 1)
 
-            # 1. draft
+            # 1. draft (optionally keep only the drafts worth verifying)
+            step_start = time.perf_counter()
             if num_draft > 0:
                 drafts = generator.draft(anchor, next_position, context, context_positions, context_mask, num_draft)
+                if generator.last_confidence is not None:
+                    drafts = drafts[:, : generator.draft_length_policy.num_to_verify(generator.last_confidence)]
             else:
                 drafts = anchor.new_empty(rows, 0)
             # 2. verify [anchor, drafts] in one target forward
@@ -565,6 +640,8 @@ def dflash_decoding(
             budgets = torch.tensor([prompt_len + max_new_tokens - lengths[r] for r in active], device=device)
             num_new = torch.minimum(accepted + 1, budgets)
             num_new, stopped = _stop_lengths(stopping_criteria, sequences, active, lengths, choices, num_new, eos_token_id)
+            if generator.draft_length_policy is not None:  # `_stop_lengths` synced: the step's time is known
+                generator.draft_length_policy.record(width, time.perf_counter() - step_start)
             if align_rows:
                 num_new = _align_continuing_rows(num_new, stopped, budgets.tolist())
             # 4. commit, then keep the slots that hold a verified token for at least one continuing row

@@ -286,6 +286,9 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         self.norm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = DFlashRotaryEmbedding(config)
         self.last_acceptance_lengths: list[int] = []
+        # Adaptive draft length: None (verify the whole block), a confidence threshold, or "auto" (see
+        # `DraftLengthPolicy`). A run-time setting, not saved with the checkpoint.
+        self.draft_length: float | str | None = None
         self.post_init()
 
     def get_input_embeddings(self):
