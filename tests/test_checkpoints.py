@@ -33,9 +33,8 @@ def test_save_pretrained_writes_a_self_contained_hub_folder(tmp_path):
     for name in ("configuration_dflash.py", "modeling_dflash.py", "generation_dflash.py"):
         for line in (tmp_path / name).read_text().splitlines():
             if line.startswith(("import ", "from ")):
-                module = line.split()[1]
-                assert module.split(".")[0] in {"torch", "transformers", "math", "functools", "inspect", "logging",
-                                                "weakref", "collections", ""}, line
+                top = line.split()[1].split(".")[0]
+                assert top in {"torch", "transformers", ""} or top in sys.stdlib_module_names, line
     reloaded = AutoModel.from_pretrained(tmp_path)  # registered with the Auto classes by our package
     assert type(reloaded) is DFlashDraftModel
     for name, tensor in drafter.state_dict().items():

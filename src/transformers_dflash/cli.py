@@ -5,8 +5,8 @@
     dflash <command> --help          # every option of one command
 
 `demo` is defined here. Other commands live in their own modules and appear only when those modules are present:
-`regenerate` (`transformers_dflash.data`), `train` (`transformers_dflash.training`) and `bench`
-(`transformers_dflash.benchmark`). Each such module defines `add_<name>_arguments(parser)` and `run_<name>(args)`.
+`regenerate` (`transformers_dflash.data`), `train` (`transformers_dflash.training`), `bench`
+(`transformers_dflash.benchmark`), `export` and `convert` (`transformers_dflash.interop`). Each such module defines `add_<name>_arguments(parser)` and `run_<name>(args)`.
 
 The heart of the demo is `run_demo(target, tokenizer, drafter, prompt, ...)`, which works with any causal LM,
 tokenizer and DFlash drafter, so it can be reused (and is tested) with tiny models.
@@ -49,6 +49,20 @@ OPTIONAL_COMMANDS = (
         "add_bench_arguments",
         "run_bench",
         "measure speedup and acceptance length of a drafter on benchmark prompts",
+    ),
+    (
+        "export",
+        "transformers_dflash.interop",
+        "add_export_arguments",
+        "run_export",
+        "write a drafter in the Hub, released DFlash (SGLang/vLLM) or vLLM speculators layout, with a model card",
+    ),
+    (
+        "convert",
+        "transformers_dflash.interop",
+        "add_convert_arguments",
+        "run_convert",
+        "read a drafter in any layout (hub, released, speculators) and write it in another (default: hub)",
     ),
 )
 

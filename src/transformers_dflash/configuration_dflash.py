@@ -36,21 +36,24 @@ def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> l
     return sorted({round(i * step) for i in range(num_features)})
 
 
+def _normalized_rope(params: dict | None, rope_theta: float) -> dict:
+    """`{"rope_type", "rope_theta", ...scaling keys}` from a 4.x `rope_scaling` or a 5.x `rope_parameters` dict."""
+    params = dict(params or {})
+    params["rope_type"] = params.get("rope_type", params.pop("type", "default")) or "default"
+    params.pop("type", None)
+    params.setdefault("rope_theta", rope_theta)
+    return params
+
+
 def rope_parameters_from_config(config) -> dict:
     """RoPE settings of any transformers text config, as one dict `{"rope_type", "rope_theta", ...}`.
 
     transformers 4.x keeps `rope_theta` and `rope_scaling` as two attributes; 5.x folds both into `rope_parameters`.
     """
     params = getattr(config, "rope_parameters", None)
-    if isinstance(params, dict) and "rope_theta" in params:
-        params = dict(params)
-    else:
-        scaling = getattr(config, "rope_scaling", None) if not isinstance(params, dict) else params
-        params = dict(scaling or {})
-        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    params["rope_type"] = params.get("rope_type", params.pop("type", "default")) or "default"
-    params.pop("type", None)
-    return params
+    if not isinstance(params, dict):
+        params = getattr(config, "rope_scaling", None)
+    return _normalized_rope(params, getattr(config, "rope_theta", 10000.0))
 
 
 class DFlashConfig(PretrainedConfig):
@@ -111,10 +114,7 @@ class DFlashConfig(PretrainedConfig):
         # them before `super().__init__` so transformers' own RoPE standardisation never sees a half-filled config.
         rope_scaling = kwargs.pop("rope_scaling", None)
         rope_parameters = kwargs.pop("rope_parameters", None)
-        params = dict(rope_parameters or rope_scaling or {})
-        params["rope_type"] = params.get("rope_type", params.pop("type", "default")) or "default"
-        params.pop("type", None)
-        params.setdefault("rope_theta", rope_theta if rope_theta is not None else 1000000.0)
+        params = _normalized_rope(rope_parameters or rope_scaling, rope_theta if rope_theta is not None else 1e6)
         self.rope_parameters = params
         self.rope_theta = params["rope_theta"]
 

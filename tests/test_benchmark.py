@@ -1,0 +1,210 @@
+"""`dflash bench` (transformers_dflash.benchmark): the report arithmetic on hand-made numbers, the mismatch check, the
+built-in drafter conversion, and a quick end-to-end run on tiny random models."""
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import make_drafter, make_target, random_prompt
+
+from transformers_dflash import benchmark as bench
+from transformers_dflash.benchmark import Method, Sample
+
+BUILTIN, BUILTIN_REASON = bench.builtin_dflash_available()
+needs_builtin = pytest.mark.skipif(not BUILTIN, reason=BUILTIN_REASON)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Arithmetic
+
+
+def test_rates_speedup_and_tpot():
+    assert bench.tokens_per_second(120, 4.0) == 30.0
+    assert bench.time_per_output_token_ms(120, 4.0) == pytest.approx(33.333, abs=1e-3)
+    assert bench.speedup(90.0, 30.0) == 3.0
+    assert math.isnan(bench.tokens_per_second(10, 0.0))
+    assert math.isnan(bench.time_per_output_token_ms(0, 1.0))
+    assert math.isnan(bench.speedup(10.0, 0.0))
+    assert math.isnan(bench.speedup(math.nan, 10.0))
+
+
+def test_tau_histogram_and_r():
+    runs = [[1, 3, 1, 5], [1, 2, 16], [1]]  # prefill entries (the leading 1s) are excluded
+    assert bench.acceptance_steps(runs[0]) == [3, 1, 5]
+    assert bench.mean_acceptance_length(runs) == pytest.approx((3 + 1 + 5 + 2 + 16) / 5)
+    assert bench.acceptance_histogram(runs) == {1: 1, 2: 1, 3: 1, 5: 1, 16: 1}
+    assert bench.acceptance_histogram(runs, max_length=4) == {1: 1, 2: 1, 3: 1, 4: 2}
+    assert math.isnan(bench.mean_acceptance_length([[1], []]))
+    # r = tau / speedup: the published reference (tau 6.49, speedup 4.86) gives 1.34
+    assert bench.overhead_ratio(6.49, 4.86) == pytest.approx(1.335, abs=1e-3)
+    assert math.isnan(bench.overhead_ratio(2.0, 0.0))
+
+
+def _sample(method, seconds, tokens, acceptance=None, output=None, dataset="d", index=0, temperature=0.0):
+    output = output if output is not None else list(range(tokens))
+    return Sample(method, dataset, temperature, index, 0, 10, tokens, seconds, acceptance, output)
+
+
+def test_summarize_rows():
+    samples = [
+        _sample("baseline", 2.0, 20),
+        _sample("baseline", 2.0, 20, index=1),
+        _sample("fast", 1.0, 20, acceptance=[1, 4, 4, 4, 4, 3]),
+        _sample("fast", 1.0, 20, acceptance=[1, 1, 5, 5, 5, 3], index=1),
+        _sample("baseline", 1.0, 10, dataset="e"),
+        _sample("fast", 2.0, 10, acceptance=[1, 1, 1, 1, 1, 1, 1, 1, 1, 1], dataset="e"),
+        _sample("baseline", 1.0, 10, temperature=1.0),
+        _sample("fast", 0.5, 12, acceptance=[1, 6, 5], temperature=1.0),
+    ]
+    rows = {(r["temperature"], r["dataset"], r["method"]): r for r in bench.summarize(samples, max_length=6)}
+    fast = rows[(0.0, "d", "fast")]
+    assert fast["tokens_per_s"] == 20.0 and fast["tpot_ms"] == 50.0
+    assert fast["speedup"] == 2.0  # 40 tokens / 2 s against 40 tokens / 4 s
+    assert fast["tau"] == pytest.approx(38 / 10)
+    assert fast["acceptance_histogram"] == {1: 1, 2: 0, 3: 2, 4: 4, 5: 3, 6: 0}
+    assert fast["r"] == pytest.approx(3.8 / 2.0)
+    assert fast["prompts"] == 2 and fast["runs"] == 2 and fast["mismatches"] == 0
+    base = rows[(0.0, "d", "baseline")]
+    assert base["speedup"] == 1.0 and base["tau"] == 1.0 and base["r"] == 1.0
+    slow = rows[(0.0, "e", "fast")]
+    assert slow["speedup"] == 0.5 and slow["tau"] == 1.0 and slow["r"] == 2.0
+    # "all" pools both datasets: 50 tokens / 4 s against 50 tokens / 5 s
+    assert rows[(0.0, "all", "fast")]["speedup"] == pytest.approx(1.25)
+    assert rows[(0.0, "all", "fast")]["tau"] == pytest.approx((38 + 9) / 19)
+    sampled = rows[(1.0, "d", "fast")]
+    assert sampled["speedup"] == pytest.approx(24 / 10) and sampled["tau"] == 5.5
+    assert (1.0, "all", "fast") in rows
+
+
+def test_relative_rate():
+    rows = bench.summarize([_sample("baseline", 2.0, 20), _sample("dflash", 1.0, 20, [1, 2]),
+                            _sample("builtin_dflash", 1.5, 20, [1, 2])])
+    (ratio,) = bench.relative_rate(rows, "dflash", "builtin_dflash")
+    assert ratio["ratio"] == pytest.approx(1.5) and ratio["tau"] == 2.0
+
+
+def test_find_mismatches_flags_only_greedy_differences():
+    samples = [
+        _sample("baseline", 1.0, 4, output=[5, 6, 7, 8]),
+        _sample("same", 1.0, 4, output=[5, 6, 7, 8]),
+        _sample("wrong", 1.0, 4, output=[5, 6, 9, 8]),
+        _sample("short", 1.0, 3, output=[5, 6, 7]),
+        _sample("baseline", 1.0, 4, output=[1, 1, 1, 1], temperature=1.0),
+        _sample("sampled", 1.0, 4, output=[2, 2, 2, 2], temperature=1.0),  # sampling is never compared
+    ]
+    found = {m["method"]: m for m in bench.find_mismatches(samples)}
+    assert set(found) == {"wrong", "short"}
+    assert found["wrong"]["first_difference"] == 2 and found["short"]["first_difference"] == 3
+    assert bench.first_difference([1, 2], [1, 2]) is None
+
+
+def test_markdown_from_hand_made_report():
+    samples = [_sample("baseline", 2.0, 20), _sample("dflash", 1.0, 20, [1, 4, 4, 4, 4, 4])]
+    report = {
+        "settings": {"datasets": {"d": 1}, "max_new_tokens": 20, "repeats": 1, "warmup": 1, "seed": 0,
+                     "block_size": 16},
+        "environment": {"device": "cpu", "torch_threads": 1},
+        "methods": {"baseline": {"label": "plain", "note": ""}, "dflash": {"label": "ours", "note": ""}},
+        "summary": bench.summarize(samples),
+        "mismatches": [],
+        "notes": [bench.UNTRAINED_NOTE],
+    }
+    text = bench.format_markdown(report)
+    assert "| d | ours | 20.0 | 50.0 | 2.00x | 4.00 | 2.00 | 20 | 0 |" in text
+    assert "UNTRAINED" in text and "every method's output equals" in text
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tiny models
+
+
+@needs_builtin
+def test_builtin_drafter_proposes_exactly_our_drafts():
+    target = make_target("llama")  # float64
+    drafter = make_drafter(target, num_layers=2, block_size=5)
+    with torch.no_grad():  # larger weights: varied proposals rather than one token repeated
+        for p in drafter.parameters():
+            if p.dim() > 1:
+                p.mul_(5.0)
+    builtin = bench.to_builtin_drafter(drafter)
+    assert sorted(bench.builtin_state_dict(drafter.state_dict())) == sorted(builtin.state_dict())
+    # this prompt leads to steps with 4 and 3 accepted drafts: both paths must then carry the same context on
+    check = bench.compare_drafts(target, drafter, builtin, random_prompt(9, seed=1), max_new_tokens=40)
+    assert check["all_equal"], check
+    assert check["outputs_equal"] and check["steps_compared"] >= 20
+    assert max(check["ours_acceptance"]) > 1 and check["ours_acceptance"] == check["builtin_acceptance"]
+
+
+def test_quick_run_flags_injected_mismatch_and_writes_reports(tmp_path):
+    target = make_target("llama", eos_token_id=None)  # no EOS: every run generates max_new_tokens
+    drafter = make_drafter(target, num_layers=1, block_size=4)
+    prompts = [random_prompt(10, seed=s)[0].tolist() for s in (0, 1)]
+
+    def wrong(ids, kwargs):  # a "method" whose greedy output differs from the target's at the third new token
+        out = target.generate(ids, **kwargs)
+        out[0, ids.shape[1] + 2] = (out[0, ids.shape[1] + 2] + 1) % 96
+        return out, None
+
+    report = bench.run_benchmark(
+        target,
+        drafter,
+        datasets={"tiny": prompts},
+        methods=bench.DEFAULT_METHODS,
+        extra_methods=[Method("wrong", "broken method", wrong)],
+        temperatures=(0.0, 1.0),
+        max_new_tokens=12,
+        progress=False,
+        drafter_trained=False,
+    )
+    flagged = {(m["method"], m["prompt_index"]) for m in report["mismatches"]}
+    assert flagged == {("wrong", 0), ("wrong", 1)}
+    assert all(m["first_difference"] == 2 for m in report["mismatches"])
+    rows = {(r["temperature"], r["method"]): r for r in report["summary"]}
+    assert rows[(0.0, "wrong")]["mismatches"] == 2 and rows[(0.0, "dflash")]["mismatches"] == 0
+    assert rows[(0.0, "baseline")]["speedup"] == 1.0
+    for method in ("dflash", "prompt_lookup") + (("builtin_dflash",) if BUILTIN else ()):
+        assert rows[(0.0, method)]["tau"] >= 1.0 and rows[(0.0, method)]["r"] > 0
+        assert sum(rows[(0.0, method)]["acceptance_histogram"].values()) > 0
+    if BUILTIN:
+        assert report["draft_check"]["all_equal"]
+        assert report["ours_vs_builtin"]
+    else:
+        assert "builtin_dflash" in report["skipped"]
+    assert len(report["samples"]) == 2 * 2 * len(report["settings"]["methods"])
+
+    paths = bench.write_report(report, tmp_path)
+    data = json.loads(paths["json"].read_text())
+    assert data["environment"]["torch_threads"] == 1 and "transformers" in data["environment"]
+    assert "git" in data["environment"]
+    markdown = paths["markdown"].read_text()
+    assert "broken method" in markdown and "Greedy outputs that differ" in markdown
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "png" not in paths
+    else:
+        assert paths["png"].stat().st_size > 1000
+
+
+def test_cli_quick_mode(tmp_path, capsys):
+    from transformers_dflash.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["bench", "--quick", "--threads", "1", "--num-prompts", "1", "--max-new-tokens", "8", "--temperatures", "0",
+         "--warmup", "0", "--no-progress", "--output-dir", str(tmp_path), "--methods", "dflash,prompt_lookup"]
+    )
+    assert args._dflash_run(args) == 0
+    out = capsys.readouterr().out
+    assert "DFlash (transformers-dflash)" in out and "prompt lookup" in out
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["settings"]["methods"] == ["baseline", "dflash", "prompt_lookup"]
+    assert data["mismatches"] == []
