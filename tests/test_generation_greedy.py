@@ -225,3 +225,26 @@ def test_other_assistants_are_untouched(monkeypatch):
     without_hook = run()
     assert all(torch.equal(a, b) for a, b in zip(with_hook, without_hook))
     assert calls == ["AssistedCandidateGenerator", "PromptLookupCandidateGenerator"] * 2
+
+
+def test_candidate_generator_protocol_in_transformers_own_loop(monkeypatch, oracle):
+    """`DFlashCandidateGenerator` also serves transformers' stock batch-1 assisted loop through the standard
+    `get_candidates` / `update_candidate_strategy` protocol."""
+    from transformers.generation.utils import GenerationMixin
+
+    from transformers_dflash import DFlashCandidateGenerator
+
+    target = make_target("llama", eos_token_id=None)
+    drafter = make_drafter(target, block_size=5)
+    prompt = random_prompt(6, seed=8)
+    expected = target.generate(prompt, max_new_tokens=23, do_sample=False)
+    oracle([expected[0]], corrupt=0.3)
+    monkeypatch.setattr(GenerationMixin, "_assisted_decoding", GenerationMixin._dflash_original_methods["_assisted_decoding"])
+    monkeypatch.setattr(
+        GenerationMixin,
+        "_get_candidate_generator",
+        lambda self, generation_config, **kwargs: DFlashCandidateGenerator(drafter, self, generation_config),
+    )
+    out = target.generate(prompt, max_new_tokens=23, do_sample=False, assistant_model=drafter)
+    assert torch.equal(out, expected)
+    assert max(drafter.last_acceptance_lengths) > 1  # drafts were accepted through the protocol
