@@ -28,7 +28,7 @@ def test_save_pretrained_writes_a_self_contained_hub_folder(tmp_path):
         "AutoConfig": "configuration_dflash.DFlashConfig",
         "AutoModel": "modeling_dflash.DFlashDraftModel",
     }
-    assert config["dflash_config"] == {"block_size": 4, "mask_token_id": 95, "target_layer_ids": [0, 1, 2, 3]}
+    assert config["dflash_config"] == {"block_size": 4, "mask_token_id": 95, "target_layer_ids": [0, 1, 2]}
     # The copied code imports only torch and transformers (and its sibling files).
     for name in ("configuration_dflash.py", "modeling_dflash.py", "generation_dflash.py"):
         for line in (tmp_path / name).read_text().splitlines():
@@ -179,7 +179,8 @@ def test_default_target_layer_ids_follow_the_spec():
     assert default_target_layer_ids(36) == [1, 9, 17, 25, 33]
     assert default_target_layer_ids(32) == [1, 8, 15, 22, 29]
     assert default_target_layer_ids(36, 1) == [18]
-    assert default_target_layer_ids(4) == [0, 1, 2, 3]  # too shallow for the formula: evenly spread instead
+    assert default_target_layer_ids(4) == [0, 1, 2]  # too shallow for the formula: spread, last layer excluded
+    assert default_target_layer_ids(2) == [0]
 
 
 def test_config_reads_both_rope_spellings():

@@ -206,7 +206,8 @@ def check_speculators_schema(folder: Path, drafter, verifier):
     assert algorithm["default_proposal_method"] == "greedy"
     assert algorithm["proposal_methods"][0]["proposal_type"] == "greedy"
     assert algorithm["proposal_methods"][0]["speculative_tokens"] == drafter.config.block_size - 1
-    assert algorithm["verifier"]["name_or_path"] == verifier and isinstance(algorithm["verifier"]["architectures"], list)
+    assert algorithm["verifier"]["name_or_path"] == verifier
+    assert isinstance(algorithm["verifier"]["architectures"], list)
     assert config["draft_vocab_size"] == drafter.config.vocab_size
     assert config["target_hidden_size"] == drafter.config.hidden_size
     assert config["mask_token_id"] == drafter.config.mask_token_id
@@ -280,6 +281,7 @@ def test_round_trip_keeps_tensors_and_drafts(tmp_path, target, layout, variant, 
     again = export_drafter(back, tmp_path / "again", layout, target_name_or_path=TARGET_ID)
     if layout != "hub":
         assert json.loads((again / "config.json").read_text()) == json.loads((folder / "config.json").read_text())
+        check_hub_schema(export_drafter(back, tmp_path / "as-hub", "hub"))  # no released/speculators leftovers
     first, second = load_file(folder / "model.safetensors"), load_file(again / "model.safetensors")
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
 
@@ -378,7 +380,8 @@ def test_export_refusals(tmp_path, target):
     assert (tmp_path / "c" / "notes.txt").is_file() and not (tmp_path / "c" / "pytorch_model.bin").exists()
     target.config.save_pretrained(tmp_path / "other-target")  # a target of 8 layers of width 32 fits, 64 does not
     export_drafter(drafter, tmp_path / "d", "released", target_name_or_path=str(tmp_path / "other-target"))
-    AutoConfig.for_model("qwen3", hidden_size=64, num_hidden_layers=NUM_TARGET_LAYERS).save_pretrained(tmp_path / "wide")
+    wide = AutoConfig.for_model("qwen3", hidden_size=64, num_hidden_layers=NUM_TARGET_LAYERS)
+    wide.save_pretrained(tmp_path / "wide")
     with pytest.raises(ValueError, match="hidden size"):
         export_drafter(drafter, tmp_path / "e", "released", target_name_or_path=str(tmp_path / "wide"))
 
@@ -523,7 +526,8 @@ def test_cli_export_and_convert(tmp_path, target):
 def test_model_card_template_and_metadata():
     assert cards.TEMPLATE_PATH.is_file()
     assert cards.BUILTIN_TEMPLATE == cards.TEMPLATE_PATH.read_text(encoding="utf-8")
-    config = build_drafter(make_target("qwen3", num_layers=NUM_TARGET_LAYERS)).config
+    drafter = build_drafter(make_target("qwen3", num_layers=NUM_TARGET_LAYERS))
+    config = drafter.config
     text = cards.render_model_card(config, {"target": "Qwen/Qwen3-8B", "datasets": "my/data", "tau": 6.49,
                                             "speedup": 4.86, "tags": ["qwen3"]}, layout="released")
     from huggingface_hub import ModelCard
@@ -532,6 +536,7 @@ def test_model_card_template_and_metadata():
     assert data == {"base_model": "Qwen/Qwen3-8B", "datasets": ["my/data"], "library_name": "transformers",
                     "pipeline_tag": "text-generation", "tags": ["dflash", "speculative-decoding", "qwen3"]}
     assert "6.49" in text and "4.86x" in text and "--speculative-algorithm DFLASH" in text
+    assert f"| Parameters | {sum(p.numel() for p in drafter.parameters()):,} |" in text
     assert "{{" not in text
     with pytest.raises(ValueError, match="Unknown model-card metadata"):
         cards.render_model_card(config, {"stpes": 3})

@@ -6,7 +6,8 @@
 
 `demo` is defined here. Other commands live in their own modules and appear only when those modules are present:
 `regenerate` (`transformers_dflash.data`), `train` (`transformers_dflash.training`), `bench`
-(`transformers_dflash.benchmark`), `export` and `convert` (`transformers_dflash.interop`). Each such module defines `add_<name>_arguments(parser)` and `run_<name>(args)`.
+(`transformers_dflash.benchmark`), `export` and `convert` (`transformers_dflash.interop`). Each such module defines
+`add_<name>_arguments(parser)` and `run_<name>(args)`.
 
 The heart of the demo is `run_demo(target, tokenizer, drafter, prompt, ...)`, which works with any causal LM,
 tokenizer and DFlash drafter, so it can be reused (and is tested) with tiny models.

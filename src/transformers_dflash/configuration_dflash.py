@@ -24,15 +24,18 @@ def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> l
     """The DFlash default: `round(1 + i * (L - 4) / (K - 1))` for `i` in `0..K-1` (`K == 1`: `[L // 2]`).
 
     36-layer Qwen3 -> [1, 9, 17, 25, 33]; 32-layer Llama -> [1, 8, 15, 22, 29]. Targets too shallow for that formula
-    (fewer than K + 3 layers) get K evenly spaced distinct layers instead.
+    get up to K distinct layers spread over all but the last one (whose transformers hidden state is the final-normed
+    output, which serving engines cannot capture).
     """
-    num_features = max(1, min(num_features, num_target_layers))
-    if num_features == 1:
+    if num_target_layers <= 2:
+        return [0]
+    if num_features <= 1:
         return [num_target_layers // 2]
     ids = [round(1 + i * (num_target_layers - 4) / (num_features - 1)) for i in range(num_features)]
-    if len(set(ids)) == num_features and all(0 <= i < num_target_layers for i in ids):
+    if len(set(ids)) == num_features and all(0 <= i < num_target_layers - 1 for i in ids):
         return ids
-    step = (num_target_layers - 1) / (num_features - 1)
+    num_features = min(num_features, num_target_layers - 1)
+    step = (num_target_layers - 2) / (num_features - 1)
     return sorted({round(i * step) for i in range(num_features)})
 
 

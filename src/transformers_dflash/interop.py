@@ -161,8 +161,8 @@ HUB_CONFIG_SCHEMA = {
     "dflash_config": dict,
 }
 
-DFLASH_ENTRY_POINT = '''"""`dflash.DFlashDraftModel`: the class that the released DFlash checkpoint layout names in config.json
-(`auto_map: {"AutoModel": "dflash.DFlashDraftModel"}`).
+DFLASH_ENTRY_POINT = '''"""`dflash.DFlashDraftModel`: the class that the released DFlash checkpoint layout names in
+config.json (`auto_map: {"AutoModel": "dflash.DFlashDraftModel"}`).
 
 Written by transformers-dflash (`dflash export --layout released`). The implementation is in the three files next to
 this one (configuration_dflash.py, modeling_dflash.py, generation_dflash.py), which import only torch and
@@ -234,8 +234,8 @@ def target_info(target) -> TargetInfo:
 def _check_fits_target(config: DFlashConfig, target: TargetInfo) -> None:
     if target.hidden_size is not None and target.hidden_size != config.hidden_size:
         raise ValueError(
-            f"The drafter's hidden size is {config.hidden_size} but the target {target.name!r} has {target.hidden_size}:"
-            " this drafter was built for another target."
+            f"The drafter's hidden size is {config.hidden_size} but the target {target.name!r} has "
+            f"{target.hidden_size}: this drafter was built for another target."
         )
     if target.num_layers is not None:
         if config.num_target_layers is not None and config.num_target_layers != target.num_layers:
@@ -245,7 +245,8 @@ def _check_fits_target(config: DFlashConfig, target: TargetInfo) -> None:
             )
         if max(config.target_layer_ids) >= target.num_layers:
             raise ValueError(
-                f"target_layer_ids {config.target_layer_ids} do not exist in {target.name!r} ({target.num_layers} layers)."
+                f"target_layer_ids {config.target_layer_ids} do not exist in {target.name!r} "
+                f"({target.num_layers} layers)."
             )
 
 
@@ -368,7 +369,11 @@ def speculators_config(
             "whose output the speculators layout cannot name: vLLM captures the input of layer id + 1, and there is "
             "no such layer. Export this drafter in the hub or released layout instead."
         )
-    transformer_layer_config = {"model_type": "qwen3", **_decoder_fields(config), "initializer_range": config.initializer_range}
+    transformer_layer_config = {
+        "model_type": "qwen3",
+        **_decoder_fields(config),
+        "initializer_range": config.initializer_range,
+    }
     out = {
         "architectures": ["DFlashDraftModel"],
         "speculators_model_type": "dflash",
@@ -598,7 +603,9 @@ def check_layout(folder: str | os.PathLike, layout: str | None = None) -> list[s
         if auto_map.get("AutoModel") != "modeling_dflash.DFlashDraftModel" or auto_map.get("AutoConfig") != (
             "configuration_dflash.DFlashConfig"
         ):
-            problems.append(f"auto_map must name configuration_dflash.DFlashConfig and modeling_dflash.DFlashDraftModel, got {auto_map}")
+            problems.append(
+                f"auto_map must name configuration_dflash.DFlashConfig and modeling_dflash.DFlashDraftModel: {auto_map}"
+            )
         needed = [CONFIG_NAME, *CODE_FILES]
     problems += [f"missing file {name}" for name in needed if not (folder / name).is_file()]
     for name in sorted(os.listdir(folder)):
@@ -789,7 +796,9 @@ def speculators_to_dflash_config(content: dict) -> DFlashConfig:
     }
     for key, (bad, why) in refusals.items():
         if bad(content.get(key)):
-            raise ValueError(f"This speculators drafter has {key}={content[key]!r}, which {why}; not a plain DFlash drafter.")
+            raise ValueError(
+                f"This speculators drafter has {key}={content[key]!r}, which {why}; not a plain DFlash drafter."
+            )
     raw = content.get("transformer_layer_config")
     if not isinstance(raw, dict):
         raise ValueError("The speculators config has no transformer_layer_config dict.")
@@ -866,12 +875,19 @@ def _local_folder(path: str | os.PathLike) -> Path:
     if isinstance(path, str) and path.count("/") == 1 and not os.path.exists(path):
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(path, allow_patterns=[CONFIG_NAME, "*.safetensors", WEIGHTS_INDEX_NAME, CARD_NAME]))
+        try:
+            return Path(
+                snapshot_download(path, allow_patterns=[CONFIG_NAME, "*.safetensors", WEIGHTS_INDEX_NAME, CARD_NAME])
+            )
+        except Exception as error:  # noqa: BLE001 - offline, unknown repo, no access: one clear message
+            raise FileNotFoundError(
+                f"{path} is not a local folder, and fetching it from the Hub failed: {type(error).__name__}: {error}"
+            ) from error
     raise FileNotFoundError(f"{path} is not a folder (nor a Hub repo id).")
 
 
 def convert_drafter(path: str | os.PathLike, dtype="auto", layout: str | None = None) -> DFlashDraftModel:
-    """A `DFlashDraftModel` from a drafter checkpoint in any layout (detected from config.json unless `layout` is given).
+    """A `DFlashDraftModel` from a drafter checkpoint in any layout (detected from config.json unless `layout` is set).
 
     Only safetensors are read (pickled weights are refused with a ValueError), no code from the folder runs, and every
     tensor must match (ValueError otherwise). `dtype`: "auto" (the checkpoint's), a torch dtype or its name.
@@ -903,7 +919,9 @@ def convert_drafter(path: str | os.PathLike, dtype="auto", layout: str | None = 
     problems = {kind: names for kind, names in problems.items() if names}
     if problems:
         details = "; ".join(f"{kind} tensors: {names[:8]}" for kind, names in problems.items())
-        raise ValueError(f"The speculators checkpoint in {folder} does not match the DFlash drafter layout ({details}).")
+        raise ValueError(
+            f"The speculators checkpoint in {folder} does not match the DFlash drafter layout ({details})."
+        )
     drafter.load_state_dict(tensors, strict=True)
     return drafter.eval()
 
@@ -953,10 +971,15 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--repo-id", default=None, help="the Hub repo the folder will be uploaded to (usage snippets)")
     parser.add_argument(
-        "--card", default=None, help="a JSON file of model-card metadata (keys: transformers_dflash.model_card.CardMetadata)"
+        "--card",
+        default=None,
+        help="a JSON file of model-card metadata (keys: transformers_dflash.model_card.CardMetadata)",
     )
     parser.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="weights' dtype in the output"
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights' dtype in the output",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace the checkpoint files of a non-empty --out")
 
@@ -971,7 +994,7 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         "  dflash export --layout hub --out my-drafter-hub runs/drafter\n"
         "  dflash export --layout released --target Qwen/Qwen3-8B --out my-drafter-sglang runs/drafter\n"
         "  dflash export --layout speculators --target Qwen/Qwen3-8B --out my-drafter-vllm runs/drafter\n"
-        "then: hf upload YOU/my-drafter my-drafter-hub   (or huggingface-cli upload)"
+        "  hf upload YOUR-NAME/my-drafter my-drafter-hub   # upload (older hubs: huggingface-cli upload)"
     )
     return parser
 

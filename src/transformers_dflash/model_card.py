@@ -151,8 +151,9 @@ def metadata_from_training_dir(path: str | Path) -> dict:
             continue
         if isinstance(record.get("step"), int):
             steps = max(steps or 0, record["step"])
-        if isinstance(record.get("val_acceptance_length"), (int, float)) and not math.isnan(record["val_acceptance_length"]):
-            tau = float(record["val_acceptance_length"])
+        value = record.get("val_acceptance_length")
+        if isinstance(value, (int, float)) and not math.isnan(value):
+            tau = float(value)
     found = {}
     if steps is not None:
         found["steps"] = steps
@@ -259,9 +260,9 @@ def _training(metadata: CardMetadata) -> str:
         text = "Not recorded."
     else:
         text = _table(rows)
-    text += ("\n\nRecipe (DFlash): the target answers the training prompts itself and the drafter learns to predict its "
-             "answers; random anchors per sequence, blocks of [anchor, MASK x (block_size - 1)], a position-decayed "
-             "cross-entropy; the target, its embeddings and its LM head stay frozen.")
+    text += ("\n\nRecipe (DFlash): the target answers the training prompts itself and the drafter learns to predict "
+             "its answers; random anchors per sequence, blocks of [anchor, MASK x (block_size - 1)], a "
+             "position-decayed cross-entropy; the target, its embeddings and its LM head stay frozen.")
     if metadata.notes:
         text += f"\n\n{metadata.notes}"
     return text

@@ -289,6 +289,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         # Adaptive draft length: None (verify the whole block), a confidence threshold, or "auto" (see
         # `DraftLengthPolicy`). A run-time setting, not saved with the checkpoint.
         self.draft_length: float | str | None = None
+        self.model_tags = ["dflash", "speculative-decoding"]  # per instance: transformers appends to it in place
         self.post_init()
 
     def get_input_embeddings(self):
