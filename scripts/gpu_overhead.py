@@ -148,7 +148,7 @@ def forward_timings(target, drafter, context, block_size, tau, iters, device):
 
         def run():
             target(input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=n, **{key: cache})
-            cache.crop(context)
+            cache.crop(-n)
 
         return run
 
@@ -236,50 +236,6 @@ def emulate_acceptance(reference, tau, block_size, vocab):
         gd.DFlashCandidateGenerator.draft = original
 
 
-class StepProfiler:
-    """Wall time of the parts of DFlash steps: drafter (draft), target forwards (verify / prefill), cache crops,
-    acceptance + commit bookkeeping; synchronising the device at each boundary (which itself costs a little)."""
-
-    def __init__(self, target, device):
-        import transformers_dflash.generation_dflash as gd
-
-        self.gd, self.target, self.device = gd, target, device
-        self.times = {"draft": 0.0, "target_forward": 0.0, "cache_crop": 0.0, "accept_commit": 0.0}
-        self.calls = {k: 0 for k in self.times}
-        self._patches = []
-
-    def _wrap(self, owner, name, bucket):
-        original = getattr(owner, name)
-        profiler = self
-
-        @functools.wraps(original)
-        def wrapper(*args, **kwargs):
-            sync(profiler.device)
-            start = time.perf_counter()
-            result = original(*args, **kwargs)
-            sync(profiler.device)
-            profiler.times[bucket] += time.perf_counter() - start
-            profiler.calls[bucket] += 1
-            return result
-
-        setattr(owner, name, wrapper)
-        self._patches.append((owner, name, original))
-
-    def __enter__(self):
-        from transformers.cache_utils import DynamicCache
-
-        self._wrap(self.gd.DFlashCandidateGenerator, "draft", "draft")
-        self._wrap(type(self.target), "forward", "target_forward")
-        self._wrap(DynamicCache, "crop", "cache_crop")
-        for fn in ("_apply_processors", "_choose", "_stop_lengths"):
-            self._wrap(self.gd, fn, "accept_commit")
-        return self
-
-    def __exit__(self, *exc):
-        for owner, name, original in reversed(self._patches):
-            setattr(owner, name, original)
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 
 
@@ -339,23 +295,11 @@ def generate_timings(target, drafter, context, new_tokens, tau, runs, device, to
     }
 
     # Where a step's time goes (a separate run, with device syncs at every boundary).
-    with StepProfiler(target, device) as prof:
-        sync(device)
-        start = time.perf_counter()
+    from transformers_dflash.benchmark import StepProfiler
+
+    with StepProfiler(target, "dflash", drafter) as profiler:
         dflash()
-        sync(device)
-        total = time.perf_counter() - start
-    n = max(1, len(drafter.last_acceptance_lengths) - 1)
-    verify = prof.times["target_forward"] - prefill  # the first target forward is the prefill
-    parts = {
-        "draft_ms": 1000 * prof.times["draft"] / n,
-        "verify_ms": 1000 * max(0.0, verify) / n,
-        "cache_crop_ms": 1000 * prof.times["cache_crop"] / n,
-        "accept_commit_ms": 1000 * prof.times["accept_commit"] / n,
-    }
-    parts["other_python_ms"] = 1000 * (total - prefill) / n - sum(parts.values())
-    parts["step_ms_profiled"] = 1000 * (total - prefill) / n
-    result["breakdown"] = parts
+    result["breakdown"] = profiler.breakdown()
 
     if torch_profile:
         from torch.profiler import ProfilerActivity, profile
@@ -451,8 +395,7 @@ def main(argv=None):
     for r in results:
         b = r["breakdown"]
         print(f"| {r['attn']} | {r['context']} | {b['draft_ms']:.2f} | {b['verify_ms']:.2f} | "
-              f"{b['cache_crop_ms']:.3f} | {b['accept_commit_ms']:.3f} | {b['other_python_ms']:.2f} | "
-              f"{b['step_ms_profiled']:.2f} |")
+              f"{b['cache_crop_ms']:.3f} | {b['accept_commit_ms']:.3f} | {b['other_ms']:.2f} | {b['step_ms']:.2f} |")
     for r in results:
         if "torch_profile" in r:
             print(f"\ntorch.profiler, {r['attn']} C={r['context']}:\n{r['torch_profile']}")

@@ -145,13 +145,18 @@ def test_builtin_drafter_proposes_exactly_our_drafts():
 
 
 def test_quick_run_flags_injected_mismatch_and_writes_reports(tmp_path):
-    target = make_target("llama", eos_token_id=None)  # no EOS: every run generates max_new_tokens
+    # EOS is an extra vocabulary row whose logit is always 0: greedy runs never stop early. (eos_token_id=None would
+    # do too, but prompt lookup in transformers 4.57 crashes without an EOS id.)
+    target = make_target("llama", vocab_size=97, eos_token_id=96)
+    with torch.no_grad():
+        target.lm_head.weight[96] = 0
     drafter = make_drafter(target, num_layers=1, block_size=4)
     prompts = [random_prompt(10, seed=s)[0].tolist() for s in (0, 1)]
 
     def wrong(ids, kwargs):  # a "method" whose greedy output differs from the target's at the third new token
-        out = target.generate(ids, **kwargs)
-        out[0, ids.shape[1] + 2] = (out[0, ids.shape[1] + 2] + 1) % 96
+        out = target.generate(ids, **kwargs).clone()
+        if not kwargs["do_sample"]:
+            out[0, ids.shape[1] + 2] = (out[0, ids.shape[1] + 2] + 1) % 96
         return out, None
 
     report = bench.run_benchmark(

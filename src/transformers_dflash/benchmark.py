@@ -577,6 +577,125 @@ def compare_drafts(target, drafter, builtin_drafter, input_ids, max_new_tokens: 
 
 
 # ======================================================================================================================
+# Where a speculative step's time goes
+# ======================================================================================================================
+
+
+class StepProfiler:
+    """Exclusive wall time of the parts of a DFlash `generate()` call, by wrapping the functions that do them:
+
+    - `draft`: the drafter's proposal (ours: `DFlashCandidateGenerator.draft`; built-in:
+      `DFlashTokenCandidateGenerator.get_candidates`), drafter forward + LM head on the block + bookkeeping;
+    - `target_forward`: the target's `forward` (the first call is the prefill, the others verify blocks);
+    - `cache_crop`: `DynamicCache.crop` (target cache; the built-in drafter's cache is one too);
+    - `accept_commit`: ours only: logits processing, choices and stopping checks (`_apply_processors`, `_choose`,
+      `_stop_lengths`);
+    - everything else in the call is `other` (Python in the decoding loop and in `generate()`).
+
+    Times are exclusive (a wrapped call inside another counts once, for the inner one). On CUDA every boundary
+    synchronises the device, which costs a little and removes CPU/GPU overlap: profile in a separate run.
+    """
+
+    BUCKETS = ("draft", "target_forward", "cache_crop", "accept_commit")
+
+    def __init__(self, target, kind: str = "dflash", drafter=None):
+        self.target, self.kind, self.drafter = target, kind, drafter
+        self.device = next(target.parameters()).device
+        self.times = {b: 0.0 for b in self.BUCKETS}
+        self.calls = {b: 0 for b in self.BUCKETS}
+        self.forward_times: list[float] = []
+        self.total = 0.0
+        self._stack: list[list[float]] = []
+        self._patches: list[tuple[Any, str, Any]] = []
+
+    def _wrap(self, owner, name: str, bucket: str) -> None:
+        original = getattr(owner, name)
+        profiler = self
+
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            _synchronize(profiler.device)
+            frame = [time.perf_counter(), 0.0]  # start, time spent in nested wrapped calls
+            profiler._stack.append(frame)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                _synchronize(profiler.device)
+                elapsed = time.perf_counter() - frame[0]
+                profiler._stack.pop()
+                if profiler._stack:
+                    profiler._stack[-1][1] += elapsed
+                own = elapsed - frame[1]
+                profiler.times[bucket] += own
+                profiler.calls[bucket] += 1
+                if bucket == "target_forward":
+                    profiler.forward_times.append(own)
+
+        setattr(owner, name, wrapper)
+        self._patches.append((owner, name, original))
+
+    def __enter__(self):
+        from transformers.cache_utils import DynamicCache
+
+        self._wrap(type(self.target), "forward", "target_forward")
+        self._wrap(DynamicCache, "crop", "cache_crop")
+        if self.kind == "dflash":
+            generation = sys.modules[sys.modules[type(self.drafter).__module__].DFlashCandidateGenerator.__module__]
+            self._wrap(generation.DFlashCandidateGenerator, "draft", "draft")
+            for name in ("_apply_processors", "_choose", "_stop_lengths"):
+                if hasattr(generation, name):
+                    self._wrap(generation, name, "accept_commit")
+        else:
+            from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator
+
+            self._wrap(DFlashTokenCandidateGenerator, "get_candidates", "draft")
+        _synchronize(self.device)
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        _synchronize(self.device)
+        self.total = time.perf_counter() - self._start
+        for owner, name, original in reversed(self._patches):
+            setattr(owner, name, original)
+        self._patches.clear()
+
+    def breakdown(self) -> dict:
+        """Milliseconds per verification step of each part; `prefill_ms` and `steps` besides."""
+        prefill = self.forward_times[0] if self.forward_times else 0.0
+        steps = max(1, len(self.forward_times) - 1)
+        parts = {
+            "draft": self.times["draft"],
+            "verify": self.times["target_forward"] - prefill,
+            "cache_crop": self.times["cache_crop"],
+            "accept_commit": self.times["accept_commit"],
+        }
+        parts["other"] = self.total - prefill - sum(parts.values())
+        out = {f"{k}_ms": 1000 * v / steps for k, v in parts.items()}
+        out["step_ms"] = 1000 * (self.total - prefill) / steps
+        out["prefill_ms"] = 1000 * prefill
+        out["steps"] = steps
+        return out
+
+
+def profile_step(target, drafter, input_ids, kind: str = "dflash", builtin_drafter=None, max_new_tokens: int = 64,
+                 **generate_kwargs) -> dict:
+    """One greedy generation through our DFlash path (`kind="dflash"`) or transformers' (`"builtin_dflash"`), with a
+    `StepProfiler`: milliseconds per step spent drafting, verifying, cropping caches, accepting, and elsewhere."""
+    import torch
+
+    kwargs = dict(attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False)
+    kwargs.update(generate_kwargs)
+    if kind == "dflash":
+        extra = {"assistant_model": drafter}
+    else:
+        extra = {"assistant_model": builtin_drafter, "speculation_type": "dflash"}
+    with torch.inference_mode(), StepProfiler(target, kind, drafter) as profiler:
+        target.generate(input_ids, **kwargs, **extra)
+    return profiler.breakdown()
+
+
+# ======================================================================================================================
 # The benchmark loop
 # ======================================================================================================================
 
@@ -657,6 +776,7 @@ def run_benchmark(
     early_exit_layer: int | None = None,
     assistant_model=None,
     check_drafts: bool = True,
+    profile: bool = False,
     progress: bool = True,
     drafter_description: str | None = None,
     drafter_trained: bool | None = None,
@@ -711,7 +831,11 @@ def run_benchmark(
     temperatures = [float(t) for t in temperatures]
     num_prompts = sum(len(v) for v in encoded.values())
     check = check_drafts and builtin_drafter is not None and any(m.name == "dflash" for m in method_list)
+    to_profile = [m.name for m in method_list if m.name in ("dflash", "builtin_dflash")] if profile else []
+    if "builtin_dflash" in to_profile and builtin_drafter is None:
+        to_profile.remove("builtin_dflash")
     total = len(temperatures) * len(method_list) * (warmup + repeats * num_prompts) + (1 if check else 0)
+    total += len(to_profile)
     bar = _progress_bar(progress, total)
 
     def timed(method, ids, temperature, sample_seed):
@@ -771,6 +895,14 @@ def run_benchmark(
                 pad_token_id=pad_token_id,
             )
             bar.update()
+        profiles = {}
+        for name in to_profile:
+            bar.set_postfix_str(f"profiling {name}")
+            profiles[name] = profile_step(
+                target, drafter, next(iter(encoded.values()))[0], name, builtin_drafter, max_new_tokens,
+                pad_token_id=pad_token_id,
+            )
+            bar.update()
     finally:
         bar.close()
     elapsed = time.perf_counter() - started
@@ -812,6 +944,7 @@ def run_benchmark(
         "ours_vs_builtin": relative_rate(rows, "dflash", "builtin_dflash"),
         "ours_vs_prompt_lookup": relative_rate(rows, "dflash", "prompt_lookup"),
         "draft_check": draft_check,
+        "step_profile": profiles,
         "mismatches": mismatches,
         "notes": notes,
         "elapsed_s": elapsed,
@@ -975,6 +1108,20 @@ def format_markdown(report: Mapping[str, Any]) -> str:
         if check["first_difference"]:
             d = check["first_difference"]
             lines += [f"First difference at step {d['step']}: ours {d['ours']} vs built-in {d['builtin']}.", ""]
+    profiles = report.get("step_profile") or {}
+    if profiles:
+        lines += [
+            "### Where a step's time goes (ms per verification step; greedy, first prompt, separate run)",
+            "",
+            "| method | draft | verify (target forward) | cache crop | accept/commit | other (Python) | step | prefill |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for name, p in profiles.items():
+            lines.append(
+                f"| {labels.get(name, name)} | {p['draft_ms']:.1f} | {p['verify_ms']:.1f} | {p['cache_crop_ms']:.2f} | "
+                f"{p['accept_commit_ms']:.2f} | {p['other_ms']:.1f} | {p['step_ms']:.1f} | {p['prefill_ms']:.1f} |"
+            )
+        lines.append("")
     if report.get("mismatches"):
         lines += ["### Greedy outputs that differ from plain generate()", "",
                   "| dataset | prompt | method | repeat | first differing token | new tokens (method / baseline) |",
@@ -1134,6 +1281,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--name", default="bench", help="file name stem of the outputs")
     parser.add_argument("--cache-dir", default=None, help="SmolLM2 converted-copy cache (see `dflash demo --help`)")
     parser.add_argument("--no-draft-check", action="store_true", help="skip the ours-vs-built-in draft comparison")
+    parser.add_argument(
+        "--profile", action="store_true",
+        help="also profile one greedy run of each DFlash path: time per step in draft / verify / cache / Python",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
         "--quick", action="store_true",
@@ -1291,6 +1442,7 @@ def run_bench(args: argparse.Namespace) -> int:
         early_exit_layer=args.early_exit_layer,
         assistant_model=assistant,
         check_drafts=not args.no_draft_check,
+        profile=args.profile,
         progress=not args.no_progress,
         drafter_description=description,
         drafter_trained=trained,
