@@ -2,10 +2,13 @@
 """Per-step overhead of DFlash decoding on a Qwen3-8B-shaped target with random weights (issue #4, GPU part).
 
 Acceptance does not matter here, cost does: a random drafter proposes garbage, so the acceptance length is EMULATED.
-The drafter runs its real forward every step, then its proposals are overwritten with the target's own greedy
-continuation (known from a plain run) so that each step accepts a planned number of drafts whose mean gives the
-requested tau. Everything else (verification of the whole block, cache crops, context growth, Python) is the real
-`target.generate(assistant_model=drafter)` path.
+Every step runs for real (drafter forward, target verification of the whole block, acceptance, cache crops, context
+growth, Python: the actual `target.generate(assistant_model=drafter)` path), but the target's greedy choices at the
+verified positions are overridden so that the first k drafts "match" and the next does not, with k following a plan
+whose mean acceptance length is the requested tau. (So the emulated runs' tokens are meaningless; a separate run
+without emulation checks that DFlash's output equals plain greedy decoding.) Overriding choices rather than drafts
+keeps the emulation independent of bf16 rounding: a 16-token verification may round differently from 1-token
+decoding and flip a near-tie of random weights.
 
     python scripts/gpu_overhead.py                       # H200: bf16, SDPA (+ FlashAttention-2 when installed)
     python scripts/gpu_overhead.py --tiny --device cpu   # a tiny shape, any machine (slow paths, for checking)
@@ -207,33 +210,42 @@ class AcceptancePlan:
 
 
 @contextlib.contextmanager
-def emulate_acceptance(reference, tau, block_size, vocab):
-    """Patch `DFlashCandidateGenerator.draft`: run the real drafter, then make the first k proposals the target's own
-    greedy continuation (`reference`, full sequence) and proposal k+1 wrong, k following `AcceptancePlan(tau)`."""
+def emulate_acceptance(tau, block_size, vocab):
+    """Patch the decoding loop so that each verification step accepts k drafts, k following `AcceptancePlan(tau)`:
+    the drafter and the target run for real; after the target's greedy choices are computed (`_choose`), the first
+    k are replaced by the drafts of that step and choice k is made to differ from draft k."""
     import transformers_dflash.generation_dflash as gd
 
-    original = gd.DFlashCandidateGenerator.draft
     plan = AcceptancePlan(tau, block_size - 1)
+    pending = []
+    original_draft, original_choose = gd.DFlashCandidateGenerator.draft, gd._choose
 
-    @functools.wraps(original)
-    def draft(self, anchor_ids, anchor_position_ids, *args, **kwargs):
-        drafts = original(self, anchor_ids, anchor_position_ids, *args, **kwargs)
-        p = int(anchor_position_ids[0])
-        k = min(plan.next(), drafts.shape[1])
-        known = reference[p + 1 : p + 1 + drafts.shape[1]]
-        drafts = drafts.clone()
-        n = min(k, known.shape[0])
-        drafts[0, :n] = known[:n]
-        if n < drafts.shape[1]:
-            right = known[n] if n < known.shape[0] else drafts[0, n]
-            drafts[0, n] = (right + 1) % vocab
+    @functools.wraps(original_draft)
+    def draft(self, *args, **kwargs):
+        drafts = original_draft(self, *args, **kwargs)
+        pending[:] = [drafts]
         return drafts
 
-    gd.DFlashCandidateGenerator.draft = draft
+    @functools.wraps(original_choose)
+    def choose(processed, do_sample):
+        choices = original_choose(processed, do_sample)
+        if not pending:  # the prefill, or a step without drafts
+            return choices
+        drafts = pending.pop()
+        width = min(drafts.shape[1], choices.shape[1] - 1)  # the loop may verify fewer drafts than were proposed
+        k = min(plan.next(), width)
+        choices = choices.clone()
+        choices[:, :k] = drafts[:, :k]
+        if k < width:
+            clash = choices[:, k] == drafts[:, k]
+            choices[:, k] = torch.where(clash, (drafts[:, k] + 1) % vocab, choices[:, k])
+        return choices
+
+    gd.DFlashCandidateGenerator.draft, gd._choose = draft, choose
     try:
         yield
     finally:
-        gd.DFlashCandidateGenerator.draft = original
+        gd.DFlashCandidateGenerator.draft, gd._choose = original_draft, original_choose
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -254,12 +266,15 @@ def generate_timings(target, drafter, context, new_tokens, tau, runs, device, to
         return target.generate(prompt, max_new_tokens=1, **common)
 
     def dflash():
-        with emulate_acceptance(reference, tau, drafter.config.block_size, vocab):
+        with emulate_acceptance(tau, drafter.config.block_size, vocab):
             return target.generate(prompt, assistant_model=drafter, max_new_tokens=new_tokens, **common)
 
+    # Losslessness, without emulation (in bf16 a near-tie may legitimately flip: see the module docstring).
+    real = target.generate(prompt, assistant_model=drafter, max_new_tokens=new_tokens, **common)[0]
+    diff = next((i for i, (a, b) in enumerate(zip(real.tolist(), reference.tolist())) if a != b), None)
     for fn in (prefill_only, plain, dflash):  # warm-up
         fn()
-    t_prefill, t_plain, t_dflash, steps, accepted, equal = [], [], [], [], [], True
+    t_prefill, t_plain, t_dflash, steps, accepted = [], [], [], [], []
     for _ in range(runs):
         for name, fn, store in (("prefill", prefill_only, t_prefill), ("plain", plain, t_plain),
                                 ("dflash", dflash, t_dflash)):
@@ -272,7 +287,6 @@ def generate_timings(target, drafter, context, new_tokens, tau, runs, device, to
                 lengths = list(drafter.last_acceptance_lengths)
                 steps.append(len(lengths) - 1)
                 accepted.extend(lengths[1:])
-                equal &= out[0].tolist() == reference.tolist()
     prefill = statistics.median(t_prefill)
     plain_total = statistics.median(t_plain)
     dflash_total = statistics.median(t_dflash)
@@ -291,7 +305,8 @@ def generate_timings(target, drafter, context, new_tokens, tau, runs, device, to
         "r": t_step / t_plain_token,
         "speedup_end_to_end": plain_total / dflash_total,
         "speedup_decode_only": (plain_total - prefill) / max(1e-9, dflash_total - prefill),
-        "outputs_equal": equal,
+        "outputs_equal": diff is None,
+        "first_difference": None if diff is None else diff - context,
     }
 
     # Where a step's time goes (a separate run, with device syncs at every boundary).
@@ -375,13 +390,14 @@ def main(argv=None):
 
     print()
     print("| attention | context | verify 1 tok (ms) | verify block (ms) | drafter fwd (ms) | plain ms/token | "
-          "DFlash step (ms) | tau (emulated) | r = step/plain | speedup (decode) | speedup (e2e) | lossless |")
+          "DFlash step (ms) | tau (emulated) | r = step/plain | speedup (decode) | speedup (e2e) | greedy = plain |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in results:
         print(f"| {r['attn']} | {r['context']} | {r['verify_1_ms']:.2f} | {r['verify_block_ms']:.2f} | "
               f"{r['draft_tau_ms']:.2f} | {r['plain_ms_per_token']:.2f} | {r['dflash_step_ms']:.2f} | "
               f"{r['tau_emulated']:.2f} | {r['r']:.2f} | {r['speedup_decode_only']:.2f}x | "
-              f"{r['speedup_end_to_end']:.2f}x | {'yes' if r['outputs_equal'] else 'NO'} |")
+              f"{r['speedup_end_to_end']:.2f}x | "
+              f"{'yes' if r['outputs_equal'] else 'from token %d on, no' % r['first_difference']} |")
     print()
     print("Kernel-level bound: r_min = (verify block + drafter fwd) / verify 1 tok, i.e. without any overhead:")
     for r in results:

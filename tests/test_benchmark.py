@@ -127,21 +127,58 @@ def test_markdown_from_hand_made_report():
 # Tiny models
 
 
-@needs_builtin
-def test_builtin_drafter_proposes_exactly_our_drafts():
-    target = make_target("llama")  # float64
-    drafter = make_drafter(target, num_layers=2, block_size=5)
+def _scaled_drafter(target, block_size=5):
+    drafter = make_drafter(target, num_layers=2, block_size=block_size)
     with torch.no_grad():  # larger weights: varied proposals rather than one token repeated
         for p in drafter.parameters():
             if p.dim() > 1:
                 p.mul_(5.0)
+    return drafter
+
+
+@needs_builtin
+def test_builtin_drafter_computes_our_drafter_function():
+    """Forward-level equivalence of the converted drafter over two steps: a prefill's context, then 3 new context
+    rows (an anchor + 2 accepted drafts), each with the block's keys/values dropped from the cache afterwards."""
+    from transformers.cache_utils import DFlashCache
+
+    from transformers_dflash import DFlashDrafterCache
+
+    target = make_target("llama")  # float64
+    drafter = _scaled_drafter(target)
     builtin = bench.to_builtin_drafter(drafter)
     assert sorted(bench.builtin_state_dict(drafter.state_dict())) == sorted(builtin.state_dict())
-    # this prompt leads to steps with 4 and 3 accepted drafts: both paths must then carry the same context on
-    check = bench.compare_drafts(target, drafter, builtin, random_prompt(9, seed=1), max_new_tokens=40)
-    assert check["all_equal"], check
-    assert check["outputs_equal"] and check["steps_compared"] >= 20
-    assert max(check["ours_acceptance"]) > 1 and check["ours_acceptance"] == check["builtin_acceptance"]
+    block, hidden = drafter.config.block_size, drafter.config.hidden_size
+    features = len(drafter.config.target_layer_ids) * hidden
+    g = torch.Generator().manual_seed(0)
+    ours_cache, their_cache = DFlashDrafterCache(drafter.config.num_hidden_layers), DFlashCache(config=builtin.config)
+    start = 0
+    for step, new in enumerate((9, 3)):
+        context = torch.randn(1, new, features, generator=g, dtype=torch.float64)
+        embeds = torch.randn(1, block, hidden, generator=g, dtype=torch.float64)
+        context_pos = torch.arange(start, start + new)[None]
+        block_pos = torch.arange(start + new, start + new + block)[None]
+        ours = drafter(block_embeddings=embeds, context_features=context, block_position_ids=block_pos,
+                       context_position_ids=context_pos, cache=ours_cache).last_hidden_state
+        their_cache.set_previous_accepted_tokens(new)
+        if step:
+            their_cache.crop(-block)
+        theirs = builtin(noise_embeds=embeds, context_hidden_states=context,
+                         position_ids=torch.cat([context_pos, block_pos], dim=1), cache=their_cache).last_hidden_state
+        torch.testing.assert_close(ours, theirs, rtol=1e-9, atol=1e-9)
+        start += new
+
+
+@needs_builtin
+def test_builtin_path_proposes_exactly_our_drafts():
+    target = make_target("llama", vocab_size=12, eos_token_id=None)  # small vocabulary: some drafts get accepted
+    drafter = _scaled_drafter(target)
+    builtin = bench.to_builtin_drafter(drafter)
+    for seed in range(2):
+        prompt = torch.randint(3, 12, (1, 9), generator=torch.Generator().manual_seed(seed))
+        check = bench.compare_drafts(target, drafter, builtin, prompt, max_new_tokens=30)
+        assert check["all_equal"] and check["outputs_equal"], (seed, check)
+        assert check["steps_compared"] >= 20 and check["ours_acceptance"] == check["builtin_acceptance"]
 
 
 def test_quick_run_flags_injected_mismatch_and_writes_reports(tmp_path):
@@ -176,12 +213,12 @@ def test_quick_run_flags_injected_mismatch_and_writes_reports(tmp_path):
     rows = {(r["temperature"], r["method"]): r for r in report["summary"]}
     assert rows[(0.0, "wrong")]["mismatches"] == 2 and rows[(0.0, "dflash")]["mismatches"] == 0
     assert rows[(0.0, "baseline")]["speedup"] == 1.0
-    for method in ("dflash", "prompt_lookup") + (("builtin_dflash",) if BUILTIN else ()):
+    for method in ("dflash", "dflash_adaptive", "prompt_lookup") + (("builtin_dflash",) if BUILTIN else ()):
         assert rows[(0.0, method)]["tau"] >= 1.0 and rows[(0.0, method)]["r"] > 0
         assert sum(rows[(0.0, method)]["acceptance_histogram"].values()) > 0
     if BUILTIN:
         assert report["draft_check"]["all_equal"]
-        assert report["ours_vs_builtin"]
+        assert {(c["method"], c["other"]) for c in report["comparisons"]} >= {("dflash", "builtin_dflash")}
     else:
         assert "builtin_dflash" in report["skipped"]
     assert len(report["samples"]) == 2 * 2 * len(report["settings"]["methods"])
@@ -213,3 +250,11 @@ def test_cli_quick_mode(tmp_path, capsys):
     data = json.loads((tmp_path / "bench.json").read_text())
     assert data["settings"]["methods"] == ["baseline", "dflash", "prompt_lookup"]
     assert data["mismatches"] == []
+
+
+@needs_builtin
+def test_builtin_drafter_keeps_rope_frequencies_in_float32():
+    target = make_target("llama", dtype=torch.bfloat16)
+    builtin = bench.to_builtin_drafter(make_drafter(target))
+    assert next(builtin.parameters()).dtype == torch.bfloat16
+    assert builtin.rotary_emb.inv_freq.dtype == torch.float32

@@ -8,7 +8,9 @@ In ONE process, on the same prompts and the same target, it times (methods inter
 so that machine noise hits all of them alike):
 
 - `baseline`: plain `target.generate()`;
-- `dflash`: this package, `target.generate(assistant_model=drafter)`;
+- `dflash`: this package, `target.generate(assistant_model=drafter)`, verifying the whole block every step;
+- `dflash_adaptive`: the same with `drafter.draft_length` (default `"auto"`): only the drafts worth their
+  verification cost are verified (lossless; see the README);
 - `builtin_dflash`: transformers' own `speculation_type="dflash"` path (transformers >= 5 with
   `models/muse_glimmer_assistant`), fed the SAME drafter weights, converted by `to_builtin_drafter`;
 - `prompt_lookup`: prompt lookup decoding (`prompt_lookup_num_tokens`), the drafter-free alternative;
@@ -44,11 +46,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-DEFAULT_METHODS = ("baseline", "dflash", "builtin_dflash", "prompt_lookup")
+DEFAULT_METHODS = ("baseline", "dflash", "dflash_adaptive", "builtin_dflash", "prompt_lookup")
 OPTIONAL_METHODS = ("early_exit", "assistant")
 METHOD_LABELS = {
     "baseline": "plain generate()",
     "dflash": "DFlash (transformers-dflash)",
+    "dflash_adaptive": "DFlash, adaptive draft length (transformers-dflash)",
     "builtin_dflash": "DFlash (transformers built-in)",
     "prompt_lookup": "prompt lookup",
     "early_exit": "early-exit self-speculation",
@@ -314,6 +317,8 @@ def to_builtin_drafter(drafter):
     The two architectures are the same computation (Qwen3-style layers with q/k-norm, KV injection of the fused
     target features, non-causal block); only the places of `fc`/`hidden_norm` and the config class differ.
     """
+    import torch
+
     available, reason = builtin_dflash_available()
     if not available:
         raise RuntimeError(reason)
@@ -350,9 +355,15 @@ def to_builtin_drafter(drafter):
     )
     config._attn_implementation = getattr(c, "_attn_implementation", None) or "sdpa"
     param = next(drafter.parameters())
-    model = MuseGlimmerAssistantModel(config)
+    with torch.device(param.device):
+        model = MuseGlimmerAssistantModel(config)
+    # Cast the parameters only, as `from_pretrained(dtype=...)` would: the RoPE `inv_freq` buffer stays float32
+    # (`model.to(torch.bfloat16)` would round it, and the angles would drift at long positions). Casting before
+    # loading keeps float64 weights exact.
+    for p in model.parameters():
+        p.data = p.data.to(param.dtype)
     model.load_state_dict(builtin_state_dict(drafter.state_dict()), strict=True)
-    return model.to(device=param.device, dtype=param.dtype).eval()
+    return model.eval()
 
 
 # ======================================================================================================================
@@ -418,6 +429,34 @@ class _AssistedRecorder:
             GenerationMixin._get_candidate_generator = original
 
 
+@contextlib.contextmanager
+def draft_length(drafter, setting):
+    """Temporarily set `drafter.draft_length` (None: verify the whole block; a threshold; "auto")."""
+    if not hasattr(drafter, "draft_length"):
+        if setting is None:
+            yield drafter
+            return
+        raise ValueError("this drafter has no adaptive draft length (drafter.draft_length)")
+    previous = drafter.draft_length
+    drafter.draft_length = setting
+    try:
+        yield drafter
+    finally:
+        drafter.draft_length = previous
+
+
+def parse_draft_length(text):
+    """`--draft-length` values: "auto", "none" or a confidence threshold in [0, 1]."""
+    if text is None or str(text).lower() == "none":
+        return None
+    if str(text).lower() == "auto":
+        return "auto"
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"draft length threshold must be in [0, 1], got {value}")
+    return value
+
+
 def _assisted(target, extra: dict) -> Callable:
     def generate(input_ids, kwargs):
         recorder = _AssistedRecorder()
@@ -438,6 +477,7 @@ def build_methods(
     max_matching_ngram_size: int | None = None,
     early_exit_layer: int | None = None,
     assistant_model=None,
+    adaptive_draft_length="auto",
 ) -> tuple[list[Method], dict[str, str]]:
     """The requested methods that can run here, and `{name: reason}` for those that cannot."""
     methods, skipped = [], {}
@@ -450,10 +490,28 @@ def build_methods(
                 continue
 
             def generate(ids, kw):
-                out = target.generate(ids, assistant_model=drafter, **kw)
+                with draft_length(drafter, None):
+                    out = target.generate(ids, assistant_model=drafter, **kw)
                 return out, list(drafter.last_acceptance_lengths)
 
             methods.append(Method(name, METHOD_LABELS[name], generate, f"block {drafter.config.block_size}"))
+        elif name == "dflash_adaptive":
+            if drafter is None:
+                skipped[name] = "no drafter given"
+                continue
+            if not hasattr(drafter, "draft_length"):
+                skipped[name] = "this drafter's code has no adaptive draft length"
+                continue
+
+            def generate_adaptive(ids, kw):
+                with draft_length(drafter, adaptive_draft_length):
+                    out = target.generate(ids, assistant_model=drafter, **kw)
+                return out, list(drafter.last_acceptance_lengths)
+
+            methods.append(
+                Method(name, METHOD_LABELS[name], generate_adaptive,
+                       f"block {drafter.config.block_size}, draft_length={adaptive_draft_length!r}")
+            )
         elif name == "builtin_dflash":
             available, reason = builtin_dflash_available()
             if drafter is None:
@@ -550,7 +608,7 @@ def compare_drafts(target, drafter, builtin_drafter, input_ids, max_new_tokens: 
     kwargs = dict(attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False)
     kwargs.update(generate_kwargs)
     ours: list[list[int]] = []
-    with torch.inference_mode(), _record_our_drafts(drafter, ours):
+    with torch.inference_mode(), _record_our_drafts(drafter, ours), draft_length(drafter, None):
         ours_out = target.generate(input_ids, assistant_model=drafter, **kwargs)
     ours_acceptance = list(drafter.last_acceptance_lengths)
     recorder = _AssistedRecorder(record_drafts=True)
@@ -679,20 +737,39 @@ class StepProfiler:
 
 
 def profile_step(target, drafter, input_ids, kind: str = "dflash", builtin_drafter=None, max_new_tokens: int = 64,
-                 **generate_kwargs) -> dict:
-    """One greedy generation through our DFlash path (`kind="dflash"`) or transformers' (`"builtin_dflash"`), with a
-    `StepProfiler`: milliseconds per step spent drafting, verifying, cropping caches, accepting, and elsewhere."""
+                 adaptive_draft_length="auto", **generate_kwargs) -> dict:
+    """One greedy generation through our DFlash path (`kind="dflash"`, or `"dflash_adaptive"`) or transformers'
+    (`"builtin_dflash"`), with a `StepProfiler`: milliseconds per step spent drafting, verifying, cropping caches,
+    accepting, and elsewhere; plus the mean verified width (anchor included) and tau of that run."""
     import torch
 
     kwargs = dict(attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False)
     kwargs.update(generate_kwargs)
-    if kind == "dflash":
-        extra = {"assistant_model": drafter}
-    else:
+    setting = adaptive_draft_length if kind == "dflash_adaptive" else None
+    if kind == "builtin_dflash":
         extra = {"assistant_model": builtin_drafter, "speculation_type": "dflash"}
-    with torch.inference_mode(), StepProfiler(target, kind, drafter) as profiler:
-        target.generate(input_ids, **kwargs, **extra)
-    return profiler.breakdown()
+    else:
+        extra = {"assistant_model": drafter}
+    widths: list[int] = []
+
+    def record_width(module, args, kwargs_):
+        ids = kwargs_.get("input_ids", args[0] if args else None)
+        if ids is not None:
+            widths.append(int(ids.shape[1]))
+
+    handle = target.register_forward_pre_hook(record_width, with_kwargs=True)
+    recorder = _AssistedRecorder()
+    try:
+        with torch.inference_mode(), draft_length(drafter, setting), recorder.watch(), \
+                StepProfiler(target, "builtin_dflash" if kind == "builtin_dflash" else "dflash", drafter) as profiler:
+            target.generate(input_ids, **kwargs, **extra)
+    finally:
+        handle.remove()
+    out = profiler.breakdown()
+    acceptance = recorder.acceptance if kind == "builtin_dflash" else list(drafter.last_acceptance_lengths)
+    out["mean_verified_width"] = sum(widths[1:]) / len(widths[1:]) if len(widths) > 1 else math.nan
+    out["tau"] = mean_acceptance_length([acceptance])
+    return out
 
 
 # ======================================================================================================================
@@ -775,6 +852,7 @@ def run_benchmark(
     max_matching_ngram_size: int | None = None,
     early_exit_layer: int | None = None,
     assistant_model=None,
+    adaptive_draft_length="auto",
     check_drafts: bool = True,
     profile: bool = False,
     progress: bool = True,
@@ -809,6 +887,7 @@ def run_benchmark(
         max_matching_ngram_size=max_matching_ngram_size,
         early_exit_layer=early_exit_layer,
         assistant_model=assistant_model,
+        adaptive_draft_length=adaptive_draft_length,
     )
     method_list += list(extra_methods)
     taken = [m.name for m in method_list]
@@ -830,8 +909,10 @@ def run_benchmark(
         raise ValueError("no prompts to benchmark")
     temperatures = [float(t) for t in temperatures]
     num_prompts = sum(len(v) for v in encoded.values())
-    check = check_drafts and builtin_drafter is not None and any(m.name == "dflash" for m in method_list)
-    to_profile = [m.name for m in method_list if m.name in ("dflash", "builtin_dflash")] if profile else []
+    check = check_drafts and builtin_drafter is not None and any(
+        m.name in ("dflash", "builtin_dflash") for m in method_list
+    )
+    to_profile = [m.name for m in method_list if m.name in ("dflash", "dflash_adaptive", "builtin_dflash")] if profile else []
     if "builtin_dflash" in to_profile and builtin_drafter is None:
         to_profile.remove("builtin_dflash")
     total = len(temperatures) * len(method_list) * (warmup + repeats * num_prompts) + (1 if check else 0)
@@ -900,7 +981,7 @@ def run_benchmark(
             bar.set_postfix_str(f"profiling {name}")
             profiles[name] = profile_step(
                 target, drafter, next(iter(encoded.values()))[0], name, builtin_drafter, max_new_tokens,
-                pad_token_id=pad_token_id,
+                adaptive_draft_length, pad_token_id=pad_token_id,
             )
             bar.update()
     finally:
@@ -933,6 +1014,7 @@ def run_benchmark(
             "seed": seed,
             "prompt_lookup_tokens": prompt_lookup_tokens,
             "block_size": block_size,
+            "adaptive_draft_length": adaptive_draft_length,
             "drafter": drafter_description,
             "drafter_trained": drafter_trained,
             **dict(settings or {}),
@@ -941,8 +1023,12 @@ def run_benchmark(
         "methods": {m.name: {"label": m.label, "note": m.note} for m in method_list},
         "skipped": skipped,
         "summary": rows,
-        "ours_vs_builtin": relative_rate(rows, "dflash", "builtin_dflash"),
-        "ours_vs_prompt_lookup": relative_rate(rows, "dflash", "prompt_lookup"),
+        "comparisons": [
+            {"method": ours, "other": other, "rows": relative_rate(rows, ours, other)}
+            for other in ("builtin_dflash", "prompt_lookup")
+            for ours in ("dflash", "dflash_adaptive")
+            if relative_rate(rows, ours, other)
+        ],
         "draft_check": draft_check,
         "step_profile": profiles,
         "mismatches": mismatches,
@@ -1062,21 +1148,20 @@ def format_markdown(report: Mapping[str, Any]) -> str:
                 f"{_fmt(r['r'], '.2f')} | {r['new_tokens']} | {mismatch} |"
             )
         lines.append("")
-    for title, key, other in (
-        ("transformers-dflash vs transformers' built-in DFlash path (same drafter weights)", "ours_vs_builtin",
-         "built-in"),
-        ("transformers-dflash vs prompt lookup", "ours_vs_prompt_lookup", "prompt lookup"),
-    ):
-        comparison = report.get(key) or []
-        if comparison:
-            lines += [f"### {title}", "", f"| temperature | dataset | ours / {other} (tokens/s) | tau ours | tau {other} |",
-                      "|---:|---|---:|---:|---:|"]
-            for c in comparison:
-                lines.append(
-                    f"| {c['temperature']:g} | {c['dataset']} | {_fmt(c['ratio'], '.2f')}x | {_fmt(c['tau'], '.2f')} | "
-                    f"{_fmt(c['other_tau'], '.2f')} |"
-                )
-            lines.append("")
+    for comparison in report.get("comparisons") or []:
+        ours, other = labels.get(comparison["method"]), labels.get(comparison["other"])
+        lines += [
+            f"### {ours} vs {other}" + (" (same drafter weights)" if comparison["other"] == "builtin_dflash" else ""),
+            "",
+            f"| temperature | dataset | tokens/s ratio | tau {comparison['method']} | tau {comparison['other']} |",
+            "|---:|---|---:|---:|---:|",
+        ]
+        for c in comparison["rows"]:
+            lines.append(
+                f"| {c['temperature']:g} | {c['dataset']} | {_fmt(c['ratio'], '.2f')}x | {_fmt(c['tau'], '.2f')} | "
+                f"{_fmt(c['other_tau'], '.2f')} |"
+            )
+        lines.append("")
     hist_rows = [r for r in rows if r["method"] != "baseline" and r["acceptance_histogram"]
                  and (r["dataset"] == "all" or len(settings["datasets"]) == 1)]
     if hist_rows:
@@ -1113,13 +1198,15 @@ def format_markdown(report: Mapping[str, Any]) -> str:
         lines += [
             "### Where a step's time goes (ms per verification step; greedy, first prompt, separate run)",
             "",
-            "| method | draft | verify (target forward) | cache crop | accept/commit | other (Python) | step | prefill |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            "| method | draft | verify (target forward) | cache crop | accept/commit | other (Python) | step | prefill "
+            "| verified width | tau |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for name, p in profiles.items():
             lines.append(
                 f"| {labels.get(name, name)} | {p['draft_ms']:.1f} | {p['verify_ms']:.1f} | {p['cache_crop_ms']:.2f} | "
-                f"{p['accept_commit_ms']:.2f} | {p['other_ms']:.1f} | {p['step_ms']:.1f} | {p['prefill_ms']:.1f} |"
+                f"{p['accept_commit_ms']:.2f} | {p['other_ms']:.1f} | {p['step_ms']:.1f} | {p['prefill_ms']:.1f} | "
+                f"{_fmt(p.get('mean_verified_width'), '.1f')} | {_fmt(p.get('tau'), '.2f')} |"
             )
         lines.append("")
     if report.get("mismatches"):
@@ -1269,6 +1356,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     )
     parser.add_argument("--block-size", type=int, default=None, help="block size (default: the drafter's; 16 untrained)")
     parser.add_argument("--drafter-layers", type=int, default=1, help="layers of an untrained drafter")
+    parser.add_argument(
+        "--draft-length", default="auto",
+        help="dflash_adaptive: drafter.draft_length, 'auto' or a confidence threshold in [0, 1]",
+    )
     parser.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt lookup: tokens per draft")
     parser.add_argument("--early-exit-layer", type=int, default=None, help="early_exit: draft layers (default: L/4)")
     parser.add_argument("--assistant-model", default=None, help="assistant: a smaller causal LM folder, same vocab")
@@ -1380,6 +1471,10 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1 or args.num_prompts < 1 or args.repeats < 1 or args.warmup < 0 or not temperatures:
         raise SystemExit("dflash bench: need --max-new-tokens, --num-prompts, --repeats >= 1, --warmup >= 0 and a "
                          "temperature.")
+    try:
+        adaptive_setting = parse_draft_length(args.draft_length)
+    except ValueError as error:
+        raise SystemExit(f"dflash bench: --draft-length: {error}") from None
     unknown = [m for m in methods if m not in DEFAULT_METHODS + OPTIONAL_METHODS]
     if unknown:
         raise SystemExit(f"dflash bench: unknown method(s) {unknown}; choose from "
@@ -1441,6 +1536,7 @@ def run_bench(args: argparse.Namespace) -> int:
         prompt_lookup_tokens=args.prompt_lookup_tokens,
         early_exit_layer=args.early_exit_layer,
         assistant_model=assistant,
+        adaptive_draft_length=adaptive_setting,
         check_drafts=not args.no_draft_check,
         profile=args.profile,
         progress=not args.no_progress,
