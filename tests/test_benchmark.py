@@ -107,6 +107,16 @@ def test_find_mismatches_flags_only_greedy_differences():
     assert bench.first_difference([1, 2], [1, 2]) is None
 
 
+def test_prompt_selection_and_draft_length_parsing():
+    assert bench.select_prompts(list("abcdefghij"), 3, "first") == ([0, 1, 2], ["a", "b", "c"])
+    assert bench.select_prompts(list("abcdefghij"), 3, "spread") == ([0, 3, 6], ["a", "d", "g"])
+    assert bench.select_prompts(list("abc"), 5)[0] == [0, 1, 2]
+    assert bench.parse_draft_length("auto") == "auto" and bench.parse_draft_length("none") is None
+    assert bench.parse_draft_length("0.4") == 0.4
+    with pytest.raises(ValueError):
+        bench.parse_draft_length("1.5")
+
+
 def test_markdown_from_hand_made_report():
     samples = [_sample("baseline", 2.0, 20), _sample("dflash", 1.0, 20, [1, 4, 4, 4, 4, 4])]
     report = {

@@ -332,6 +332,8 @@ class DFlashCandidateGenerator(CandidateGenerator):
         # Only the rows we will verify go through the (large) LM head.
         hidden = hidden[:, 1 : 1 + num_draft].to(self.lm_head.weight.device, self.lm_head.weight.dtype)
         logits = self.lm_head(hidden)
+        # The mask token is the drafter's input placeholder; an (untrained) drafter tends to echo it back.
+        logits[..., self.config.mask_token_id] = torch.finfo(logits.dtype).min
         self.last_confidence = None
         if self.draft_length_policy is not None:
             # Probability the drafter gives its own proposal: a cheap estimate of each draft's chance of acceptance.
