@@ -38,6 +38,13 @@ OPTIONAL_COMMANDS = (
         "build DFlash training data: prompts answered by the target model itself",
     ),
     (
+        "features",
+        "transformers_dflash.training",
+        "add_features_arguments",
+        "run_features",
+        "cache the target's hidden states next to regenerated data, for offline (faster) training",
+    ),
+    (
         "train",
         "transformers_dflash.training",
         "add_train_arguments",

@@ -80,6 +80,9 @@ class DFlashConfig(PretrainedConfig):
         mask_token_id (`int`): embedding row of the masked slots.
         target_layer_ids (`list[int]`): target layers whose outputs feed the drafter.
         num_target_layers (`int`, optional): depth of the target the drafter was trained for.
+        draft_vocab_size (`int`, optional): the drafter proposes only from this many target tokens (a reduced draft
+            vocabulary, as in EAGLE-3); their ids are the drafter's `draft_vocab_ids` buffer. `None`: the whole
+            vocabulary. Verification still uses the target's full vocabulary, so outputs do not change.
     """
 
     model_type = "dflash"
@@ -109,6 +112,7 @@ class DFlashConfig(PretrainedConfig):
         mask_token_id: int | None = None,
         target_layer_ids: list[int] | None = None,
         num_target_layers: int | None = None,
+        draft_vocab_size: int | None = None,
         dflash_config: dict | None = None,
         tie_word_embeddings: bool = False,
         **kwargs,
@@ -154,6 +158,7 @@ class DFlashConfig(PretrainedConfig):
         self.mask_token_id = mask_token_id if mask_token_id is None else int(mask_token_id)
         self.target_layer_ids = [int(i) for i in target_layer_ids]
         self.num_target_layers = num_target_layers
+        self.draft_vocab_size = None if draft_vocab_size is None else int(draft_vocab_size)
         self.dflash_config = {
             "block_size": self.block_size,
             "mask_token_id": self.mask_token_id,
@@ -165,6 +170,11 @@ class DFlashConfig(PretrainedConfig):
     def _validate_dflash(self):
         if self.block_size < 2:
             raise ValueError(f"block_size must be at least 2 (an anchor plus one masked slot), got {self.block_size}.")
+        if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size must be between 1 and vocab_size ({self.vocab_size}), got {self.draft_vocab_size}; "
+                "use None for the full vocabulary."
+            )
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids must name at least one target layer.")
         if len(self.layer_types) != self.num_hidden_layers:

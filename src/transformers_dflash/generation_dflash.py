@@ -38,6 +38,7 @@ import weakref
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
@@ -260,6 +261,16 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.block_size = self.config.block_size
         self.embed_tokens = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
+        # The rows of the LM head the drafter scores (a reduced draft vocabulary, or all of them), sliced once.
+        vocab_ids = getattr(drafter, "draft_vocab_ids", None)
+        if vocab_ids is not None:
+            self.head_weight, self.head_bias = drafter.draft_head(self.lm_head)
+            self.draft_vocab_ids = vocab_ids.to(self.head_weight.device)
+            self.mask_index = (self.draft_vocab_ids == self.config.mask_token_id).nonzero().flatten()
+        else:
+            self.head_weight, self.head_bias = self.lm_head.weight, getattr(self.lm_head, "bias", None)
+            self.draft_vocab_ids = None
+            self.mask_index = self.config.mask_token_id
         self.max_length = getattr(generation_config, "max_length", None)
         self.logits_processor = logits_processor
         self.cache = DFlashDrafterCache(self.config.num_hidden_layers)
@@ -330,15 +341,18 @@ class DFlashCandidateGenerator(CandidateGenerator):
             cache=self.cache,
         ).last_hidden_state
         # Only the rows we will verify go through the (large) LM head.
-        hidden = hidden[:, 1 : 1 + num_draft].to(self.lm_head.weight.device, self.lm_head.weight.dtype)
-        logits = self.lm_head(hidden)
+        hidden = hidden[:, 1 : 1 + num_draft].to(self.head_weight.device, self.head_weight.dtype)
+        logits = F.linear(hidden, self.head_weight, self.head_bias)
         # The mask token is the drafter's input placeholder; an (untrained) drafter tends to echo it back.
-        logits[..., self.config.mask_token_id] = torch.finfo(logits.dtype).min
+        logits[..., self.mask_index] = torch.finfo(logits.dtype).min
         self.last_confidence = None
         if self.draft_length_policy is not None:
             # Probability the drafter gives its own proposal: a cheap estimate of each draft's chance of acceptance.
             self.last_confidence = torch.softmax(logits.float(), dim=-1).amax(dim=-1).to(anchor_ids.device)
-        return logits.argmax(dim=-1).to(anchor_ids.device)
+        drafts = logits.argmax(dim=-1)
+        if self.draft_vocab_ids is not None:
+            drafts = self.draft_vocab_ids[drafts]
+        return drafts.to(anchor_ids.device)
 
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, None]:
         """`CandidateGenerator` protocol (batch 1): the full sequence followed by the drafted tokens.

@@ -285,6 +285,12 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         self.hidden_norm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.norm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = DFlashRotaryEmbedding(config)
+        if config.draft_vocab_size is not None:
+            # Reduced draft vocabulary: the target token id of each row the drafter scores (saved with the weights).
+            # Drafting then costs draft_vocab_size rows of the LM head instead of the whole vocabulary.
+            self.register_buffer("draft_vocab_ids", torch.arange(config.draft_vocab_size), persistent=True)
+        else:
+            self.draft_vocab_ids = None
         self.last_acceptance_lengths: list[int] = []
         # Adaptive draft length: None (verify the whole block), a confidence threshold, or "auto" (see
         # `DraftLengthPolicy`). A run-time setting, not saved with the checkpoint.
@@ -294,6 +300,31 @@ class DFlashDraftModel(DFlashPreTrainedModel):
 
     def get_input_embeddings(self):
         return None  # borrowed from the target
+
+    def draft_head(self, lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Weight and bias of the target's `lm_head` restricted to the draft vocabulary (all rows without one).
+
+        Row i of the result scores target token `draft_vocab_ids[i]`.
+        """
+        weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
+        if self.draft_vocab_ids is None:
+            return weight, bias
+        ids = self.draft_vocab_ids.to(weight.device)
+        return weight[ids], None if bias is None else bias[ids]
+
+    def set_draft_vocabulary(self, token_ids) -> None:
+        """Fill `draft_vocab_ids` with `token_ids` (distinct target ids, `config.draft_vocab_size` of them)."""
+        if self.draft_vocab_ids is None:
+            raise ValueError("This drafter drafts from the whole vocabulary; build it with draft_vocab_size set.")
+        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().sort().values
+        if len(ids) != self.config.draft_vocab_size or len(ids.unique()) != len(ids):
+            raise ValueError(
+                f"Expected {self.config.draft_vocab_size} distinct token ids for the draft vocabulary, got {len(ids)} "
+                f"({len(ids.unique())} distinct)."
+            )
+        if ids[0] < 0 or ids[-1] >= self.config.vocab_size:
+            raise ValueError(f"Draft vocabulary ids must lie in 0..{self.config.vocab_size - 1}.")
+        self.draft_vocab_ids.copy_(ids.to(self.draft_vocab_ids.device))
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
@@ -398,13 +429,15 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         mask_token_id: int | None = None,
         target_layer_ids: list[int] | None = None,
         num_target_features: int = 5,
+        draft_vocab_ids=None,
         **config_overrides,
     ) -> "DFlashDraftModel":
         """A freshly initialised drafter that fits `target` (hidden size, heads, RoPE, vocabulary, default layers).
 
         `mask_token_id` defaults to the last row of the target's embedding table: in Qwen3-style vocabularies that
         row lies past the tokenizer's last special token and is free. `target_layer_ids` defaults to DFlash's
-        spread of `num_target_features` layers (see `default_target_layer_ids`).
+        spread of `num_target_features` layers (see `default_target_layer_ids`). `draft_vocab_ids` (optional): the
+        target token ids the drafter may propose (a reduced draft vocabulary); default: all of them.
         """
         text_config = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
         if getattr(text_config, "is_encoder_decoder", False):
@@ -440,10 +473,14 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             bos_token_id=getattr(text_config, "bos_token_id", None),
             eos_token_id=getattr(text_config, "eos_token_id", None),
         )
+        if draft_vocab_ids is not None:
+            config_kwargs["draft_vocab_size"] = len(draft_vocab_ids)
         config_kwargs.update(config_overrides)
         config = DFlashConfig(**config_kwargs)
         config._attn_implementation = getattr(target.config, "_attn_implementation", None) or "sdpa"
         drafter = cls(config)
+        if draft_vocab_ids is not None:
+            drafter.set_draft_vocabulary(draft_vocab_ids)
         param = next(target.parameters())
         return drafter.to(device=param.device, dtype=param.dtype)
 

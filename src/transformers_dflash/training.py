@@ -146,6 +146,109 @@ def validation_prompts(data_dir: str | Path, num_examples: int) -> list[torch.Te
     return prompts
 
 
+def draft_vocabulary(data_dir: str | Path, size: int, vocab_size: int, exclude=()) -> torch.LongTensor:
+    """The `size` most frequent response tokens of the shards in `data_dir` (ties: lower id first), sorted by id.
+
+    A reduced draft vocabulary (EAGLE-3's trick): the drafter scores only these rows of the LM head, which makes its
+    step and its training several times cheaper, and loses only the drafts of rare tokens. `exclude` (e.g. the mask
+    token) is never chosen. Tokens never seen in a response fill the remaining rows by id.
+    """
+    counts = torch.zeros(vocab_size, dtype=torch.float64)
+    for example in iter_training_examples(data_dir):
+        response = example["input_ids"][example["loss_mask"].bool()]
+        counts += torch.bincount(response, minlength=vocab_size)[:vocab_size].double()
+    # Tie-break by id: subtract a tiny multiple of the id (counts are integers, so this never reorders them).
+    scores = counts - torch.arange(vocab_size, dtype=torch.float64) / (2.0 * vocab_size)
+    for token in exclude:
+        if token is not None:
+            scores[int(token)] = -float("inf")
+    if size > vocab_size - sum(1 for t in set(exclude) if t is not None):
+        raise ValueError(f"A draft vocabulary of {size} tokens does not fit a vocabulary of {vocab_size}.")
+    return scores.topk(size).indices.sort().values
+
+
+FEATURES_INFO = "features.json"
+
+
+@torch.no_grad()
+def cache_context_features(
+    target: nn.Module,
+    data_dir: str | Path,
+    out_dir: str | Path,
+    target_layer_ids: list[int],
+    batch_size: int = 8,
+    max_length: int = 2048,
+    dtype: torch.dtype = torch.bfloat16,
+    progress: bool = True,
+) -> Path:
+    """Offline training data: every shard of `data_dir` again, each example with its `context_features`.
+
+    The target reads each (truncated) sequence once; the features are stored in `dtype` (bfloat16 halves the disk
+    and is what a bf16 target would produce anyway). Resumable: shards already in `out_dir` are kept. `features.json`
+    records the layer ids, so that training refuses features of other layers.
+    """
+    from tqdm.auto import tqdm
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    info = {"target_layer_ids": [int(i) for i in target_layer_ids], "max_length": int(max_length),
+            "dtype": str(dtype).replace("torch.", ""), "source": str(Path(data_dir).resolve())}
+    info_path = out_dir / FEATURES_INFO
+    if info_path.exists():
+        previous = json.loads(info_path.read_text())
+        if previous.get("target_layer_ids") != info["target_layer_ids"] or previous.get("max_length") != max_length:
+            raise ValueError(
+                f"{out_dir} holds features of layers {previous.get('target_layer_ids')} (max_length "
+                f"{previous.get('max_length')}); asked for {info['target_layer_ids']} ({max_length}). Use another "
+                "--out directory, or delete this one."
+            )
+    info_path.write_text(json.dumps(info, indent=1))
+    device = next(target.parameters()).device
+    shards = list_shards(data_dir)
+    bar = tqdm(total=len(shards), desc="features", unit="shard", disable=not progress)
+    for shard in shards:
+        destination = out_dir / shard.name
+        if destination.exists():
+            bar.update(1)
+            continue
+        examples = load_shard(shard)
+        order = sorted(range(len(examples)), key=lambda i: -len(examples[i]["input_ids"]))
+        records: list[dict | None] = [None] * len(examples)
+        for start in range(0, len(order), batch_size):
+            chunk = [examples[i] for i in order[start : start + batch_size]]
+            batch = collate(chunk, max_length)
+            features = target_context_features(
+                target, batch["input_ids"].to(device), target_layer_ids,
+                None if batch["attention_mask"] is None else batch["attention_mask"].to(device),
+            )
+            for row, i in enumerate(order[start : start + batch_size]):
+                length = min(len(examples[i]["input_ids"]), max_length)
+                records[i] = {
+                    "input_ids": examples[i]["input_ids"][:length].clone(),
+                    "loss_mask": examples[i]["loss_mask"][:length].clone(),
+                    "context_features": features[row, :length].to("cpu", dtype).clone(),
+                }
+        tmp = destination.with_name(destination.name + ".tmp")
+        torch.save(records, tmp)
+        tmp.replace(destination)  # atomic: a shard is either whole or absent
+        bar.update(1)
+    bar.close()
+    return out_dir
+
+
+def check_cached_features(data_dir: str | Path, target_layer_ids: list[int]) -> None:
+    """Refuse offline features of other target layers than the drafter's (they would train it on the wrong input)."""
+    info_path = Path(data_dir) / FEATURES_INFO
+    if info_path.exists():
+        cached = json.loads(info_path.read_text()).get("target_layer_ids")
+        if cached != [int(i) for i in target_layer_ids]:
+            raise ValueError(
+                f"{data_dir} holds target features of layers {cached}, but the drafter reads layers "
+                f"{list(target_layer_ids)}. Train with --target-layer-ids {' '.join(map(str, cached))}, or cache "
+                "features for these layers with `dflash features`."
+            )
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Anchors, the packed-block attention mask and the loss weights
 
@@ -299,18 +402,28 @@ def dflash_loss(
     labelled = loss_mask.gather(1, label_positions).view(batch, num_blocks, block_size)
     labelled = labelled & anchor_valid[:, :, None] & (slots > 0)
 
-    # Weighted cross-entropy over the labelled slots only (the LM head is the expensive part: skip the rest).
-    lm_head = target.get_output_embeddings()
-    head_dtype = lm_head.weight.dtype
-    logits = lm_head(hidden[labelled].to(head_dtype))  # [num_labels, vocab]
+    # Weighted cross-entropy over the labelled slots only (the LM head is the expensive part: skip the rest). With a
+    # reduced draft vocabulary the logits cover only its rows, and a label outside it has no loss (it can never be
+    # drafted) but counts as a miss in the metrics.
+    head_weight, head_bias = unwrapped.draft_head(target.get_output_embeddings())
+    logits = F.linear(hidden[labelled].to(head_weight.dtype), head_weight, head_bias)  # [num_labels, draft vocab]
     logits = logits.float() if logits.element_size() < 4 else logits  # cross-entropy in float32 at least
     targets = labels[labelled]
     weights = loss_weights(block_size, gamma).to(device).expand_as(labelled)[labelled]
-    token_losses = F.cross_entropy(logits, targets, reduction="none")
+    vocab_ids = unwrapped.draft_vocab_ids
+    if vocab_ids is None:
+        draft_targets = targets
+    else:
+        target_to_draft = torch.full((config.vocab_size,), -1, dtype=torch.long, device=device)
+        target_to_draft[vocab_ids] = torch.arange(len(vocab_ids), device=device)
+        draft_targets = target_to_draft[targets]
+        weights = weights * (draft_targets >= 0)
+    token_losses = F.cross_entropy(logits, draft_targets.clamp(min=0), reduction="none")
     loss = (token_losses * weights).sum() / weights.sum().clamp(min=1e-8)
 
     with torch.no_grad():
-        correct = logits.argmax(dim=-1) == targets
+        predictions = logits.argmax(dim=-1)
+        correct = (predictions if vocab_ids is None else vocab_ids[predictions]) == targets
         slot_of_label = slots.expand_as(labelled)[labelled]
         slot_counts = torch.bincount(slot_of_label, minlength=block_size)[1:]
         slot_correct = torch.bincount(slot_of_label, weights=correct.float(), minlength=block_size)[1:]
@@ -378,6 +491,7 @@ class TrainingConfig:
     mask_token_id: int | None = None
     target_layer_ids: list[int] | None = None
     num_target_features: int = 5
+    draft_vocab_size: int | None = None  # reduced draft vocabulary: the most frequent response tokens of the data
     # loss
     num_anchors: int = 512
     gamma: float | None = None
@@ -499,6 +613,11 @@ def train(config: TrainingConfig, target: nn.Module | None = None) -> dict:
     if checkpoint is not None:
         drafter = DFlashDraftModel.from_pretrained(checkpoint, dtype=torch.float32)
     else:
+        vocab_ids = None
+        if config.draft_vocab_size is not None:
+            vocab_size = target.get_input_embeddings().weight.shape[0]
+            mask_token_id = config.mask_token_id if config.mask_token_id is not None else vocab_size - 1
+            vocab_ids = draft_vocabulary(config.data, config.draft_vocab_size, vocab_size, exclude=[mask_token_id])
         drafter = DFlashDraftModel.from_target(
             target,
             num_layers=config.num_layers,
@@ -506,7 +625,9 @@ def train(config: TrainingConfig, target: nn.Module | None = None) -> dict:
             mask_token_id=config.mask_token_id,
             target_layer_ids=config.target_layer_ids,
             num_target_features=config.num_target_features,
+            draft_vocab_ids=vocab_ids,
         )
+    check_cached_features(config.data, drafter.config.target_layer_ids)
     drafter.float().train()
     if drafter.config._attn_implementation in (None, "flash_attention_2"):
         drafter.config._attn_implementation = "sdpa"  # FlashAttention-2 cannot express the packed-block mask
@@ -634,6 +755,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--mask-token-id", type=int, default=None, help="default: last row of the target's embeddings")
     parser.add_argument("--target-layer-ids", type=int, nargs="+", default=None, help="default: DFlash's spread")
     parser.add_argument("--num-target-features", type=int, default=d.num_target_features)
+    parser.add_argument("--draft-vocab-size", type=int, default=None,
+                        help="draft only from the N most frequent response tokens of the data (default: all tokens)")
     parser.add_argument("--num-anchors", type=int, default=d.num_anchors, help="blocks per sequence")
     parser.add_argument("--gamma", type=float, default=None, help="loss decay (default: 7 for block 16, 5 for 10)")
     parser.add_argument("--max-length", type=int, default=d.max_length, help="truncate sequences to this many tokens")
@@ -661,3 +784,38 @@ def run_train(args: argparse.Namespace) -> dict:
     """`dflash train`: build a `TrainingConfig` from parsed `add_train_arguments` options and train."""
     config = TrainingConfig(**{f.name: getattr(args, f.name) for f in fields(TrainingConfig) if hasattr(args, f.name)})
     return train(config)
+
+
+def add_features_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options of `dflash features`."""
+    parser.add_argument("--target", default="smollm2", help='target model path or hub id, or "smollm2"')
+    parser.add_argument("--data", required=True, help="directory of regenerated shard-XXXXX.pt files")
+    parser.add_argument("--out", required=True, help="where the shards with features go (resumes there)")
+    parser.add_argument("--target-layer-ids", type=int, nargs="+", default=None,
+                        help="default: DFlash's spread of --num-target-features layers, as `dflash train` picks them")
+    parser.add_argument("--num-target-features", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per target forward")
+    parser.add_argument("--max-length", type=int, default=2048, help="truncate sequences to this many tokens")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+                        help="storage dtype of the features")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    return parser
+
+
+def run_features(args: argparse.Namespace) -> int:
+    """`dflash features`: cache the target's context features next to the tokens, for offline `dflash train`."""
+    from .configuration_dflash import default_target_layer_ids
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    target = load_target(args.target, torch.bfloat16 if device.type == "cuda" else torch.float32).to(device).eval()
+    layer_ids = args.target_layer_ids
+    if layer_ids is None:
+        text_config = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+        layer_ids = default_target_layer_ids(text_config.num_hidden_layers, args.num_target_features)
+    out = cache_context_features(
+        target, args.data, args.out, layer_ids, args.batch_size, args.max_length, getattr(torch, args.dtype)
+    )
+    print(f"features of layers {layer_ids} in {out}; train on them with `dflash train --data {out} ...`")
+    return 0
