@@ -268,3 +268,54 @@ def test_builtin_drafter_keeps_rope_frequencies_in_float32():
     builtin = bench.to_builtin_drafter(make_drafter(target))
     assert next(builtin.parameters()).dtype == torch.bfloat16
     assert builtin.rotary_emb.inv_freq.dtype == torch.float32
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Batched throughput
+
+
+def test_batch_helpers():
+    ids, mask = bench.left_pad([torch.tensor([5, 6, 7]), torch.tensor([[9]])], pad_token_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 9]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    new = torch.tensor([[4, 2, 0, 0], [4, 4, 4, 4], [2, 0, 0, 0]])
+    assert bench.generated_lengths(new, [2]) == [2, 4, 1]
+    # Two rows: prefill entries (first of each list) are left out.
+    assert bench.batch_acceptance_length([[1, 3, 1], [1, 2]]) == pytest.approx((3 + 1 + 2) / 3)
+    assert math.isnan(bench.batch_acceptance_length([[1], [1]]))
+    assert bench.batch_acceptance_length([1, 4, 2]) == 3.0  # batch of one: a flat list
+
+
+def test_batch_benchmark_rows_match_plain_generate():
+    target = make_target("llama", dtype=torch.float32)
+    drafter = make_drafter(target, block_size=4)
+    prompts = [random_prompt(6 + 3 * i, seed=i)[0] for i in range(3)]
+    rows = bench.run_batch_benchmark(
+        target, drafter, prompts, batch_sizes=(1, 4), max_new_tokens=12, warmup=0, adaptive_draft_length="auto",
+        progress=False,
+    )
+    assert [(r["batch_size"], r["method"]) for r in rows] == [
+        (b, m) for b in (1, 4) for m in ("baseline", "dflash", "dflash_adaptive")
+    ]
+    assert all(r["rows_equal"] for r in rows)
+    for b in (1, 4):
+        base, ours = [r for r in rows if r["batch_size"] == b][:2]
+        assert ours["tokens"] == base["tokens"] and base["speedup"] == pytest.approx(1.0)
+        assert ours["speedup"] == pytest.approx(ours["tokens_per_s"] / base["tokens_per_s"])
+        assert ours["tau"] >= 1.0
+    assert drafter.draft_length is None  # restored
+
+
+def test_cli_batch_mode(tmp_path, capsys):
+    from transformers_dflash.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["bench", "--quick", "--threads", "1", "--num-prompts", "2", "--max-new-tokens", "6", "--warmup", "0",
+         "--no-progress", "--output-dir", str(tmp_path), "--batch-sizes", "1,3"]
+    )
+    assert args._dflash_run(args) == 0
+    assert "batched throughput" in capsys.readouterr().out
+    data = json.loads((tmp_path / "bench-batch.json").read_text())
+    assert [r["batch_size"] for r in data["rows"]] == [1, 1, 1, 3, 3, 3]
+    with pytest.raises(SystemExit, match="--batch-sizes"):
+        bad = build_parser().parse_args(["bench", "--quick", "--threads", "1", "--batch-sizes", "0,x"])
+        bad._dflash_run(bad)

@@ -306,8 +306,11 @@ def builtin_dflash_available() -> tuple[bool, str]:
 
 def builtin_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """Our (released DFlash) parameter names -> `MuseGlimmerAssistantModel`'s: `fc` and `hidden_norm` live in its
-    `encoder` (as `encoder.fc` and `encoder.output_norm_enc`); `layers.*` and `norm` keep their names."""
-    return {BUILTIN_DRAFTER_RENAMES.get(name, name): tensor for name, tensor in state_dict.items()}
+    `encoder` (as `encoder.fc` and `encoder.output_norm_enc`); `layers.*` and `norm` keep their names. A reduced draft
+    vocabulary (`draft_vocab_ids`) has no counterpart there: the built-in path drafts from the whole vocabulary."""
+    return {
+        BUILTIN_DRAFTER_RENAMES.get(name, name): tensor for name, tensor in state_dict.items() if name != "draft_vocab_ids"
+    }
 
 
 def to_builtin_drafter(drafter):
@@ -1040,6 +1043,172 @@ def run_benchmark(
 
 
 # ======================================================================================================================
+# Batched throughput: many prompts per generate() call
+# ======================================================================================================================
+
+
+def left_pad(prompts: Sequence[Any], pad_token_id: int, device=None):
+    """`(input_ids, attention_mask)` of 1-D (or `[1, L]`) id tensors, left-padded to the longest."""
+    import torch
+
+    rows = [p.flatten() for p in prompts]
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, width - len(row) :] = row.cpu()
+        attention_mask[i, width - len(row) :] = 1
+    return input_ids.to(device), attention_mask.to(device)
+
+
+def generated_lengths(new_tokens, eos_token_ids: Sequence[int]) -> list[int]:
+    """Per row of `new_tokens` `[batch, n]`: tokens generated up to and including the first EOS (padding after a
+    row's end is not generated work)."""
+    lengths = []
+    for row in new_tokens.tolist():
+        end = next((i + 1 for i, token in enumerate(row) if token in eos_token_ids), len(row))
+        lengths.append(end)
+    return lengths
+
+
+def batch_acceptance_length(acceptance_per_row: Sequence[Sequence[int]]) -> float:
+    """tau of a batched call: tokens committed per row and verification step, prefill entries excluded.
+
+    Takes `drafter.last_acceptance_lengths`: one list per row, or a single flat list for a batch of one."""
+    if acceptance_per_row and not isinstance(acceptance_per_row[0], (list, tuple)):
+        acceptance_per_row = [acceptance_per_row]
+    steps = [n for row in acceptance_per_row for n in acceptance_steps(row)]
+    return sum(steps) / len(steps) if steps else float("nan")
+
+
+def run_batch_benchmark(
+    target,
+    drafter,
+    prompts: Sequence[Any],
+    *,
+    batch_sizes: Sequence[int] = (1, 4, 8, 16),
+    max_new_tokens: int = 64,
+    repeats: int = 1,
+    warmup: int = 1,
+    pad_token_id: int | None = None,
+    adaptive_draft_length=None,
+    progress: bool = True,
+) -> list[dict]:
+    """Throughput of plain batched `generate()` against batched DFlash (greedy), batch size by batch size.
+
+    prompts: 1-D id tensors (chat template already applied); batch size B takes the first B (cycling if fewer).
+    Per batch size, each method runs `warmup` untimed calls, then `repeats` timed calls interleaved with the others.
+    Throughput is generated tokens (each row up to its first EOS) over wall time. Every row's output is compared with
+    plain batched generate()'s, which must be equal row by row (greedy).
+
+    Returns one row per (batch size, method): tokens/s, speedup over plain, tau, tokens, seconds, rows equal.
+    """
+    import torch
+
+    device = next(target.parameters()).device
+    eos = target.generation_config.eos_token_id
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if pad_token_id is None:
+        pad_token_id = target.generation_config.pad_token_id
+        pad_token_id = pad_token_id if pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
+    methods = [("baseline", None), ("dflash", None)]
+    if adaptive_draft_length is not None:
+        methods.append(("dflash_adaptive", adaptive_draft_length))
+    bar = _progress_bar(progress, len(batch_sizes) * len(methods) * (warmup + repeats))
+    rows: list[dict] = []
+    try:
+        for batch_size in batch_sizes:
+            chosen = [prompts[i % len(prompts)] for i in range(batch_size)]
+            input_ids, attention_mask = left_pad(chosen, pad_token_id, device)
+            kwargs = dict(attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=False,
+                          pad_token_id=pad_token_id)
+            totals = {name: {"tokens": 0, "seconds": 0.0, "steps": [], "equal": True} for name, _ in methods}
+            reference = None
+
+            def call(name, setting):
+                extra = {}
+                if name != "baseline":
+                    drafter.draft_length = setting
+                    extra["assistant_model"] = drafter
+                _synchronize(device)
+                start = time.perf_counter()
+                with torch.inference_mode():
+                    out = target.generate(input_ids, **kwargs, **extra)
+                _synchronize(device)
+                return out[:, input_ids.shape[1] :], time.perf_counter() - start
+
+            for name, setting in methods:
+                for _ in range(warmup):
+                    bar.set_postfix_str(f"warm-up batch {batch_size} {name}")
+                    new, _ = call(name, setting)
+                    reference = new if name == "baseline" else reference
+                    bar.update()
+            for repeat in range(repeats):
+                order = methods[repeat % len(methods) :] + methods[: repeat % len(methods)]
+                for name, setting in order:
+                    bar.set_postfix_str(f"batch {batch_size} {name}")
+                    new, seconds = call(name, setting)
+                    lengths = generated_lengths(new, eos_ids)
+                    total = totals[name]
+                    total["tokens"] += sum(lengths)
+                    total["seconds"] += seconds
+                    if name == "baseline" and reference is None:
+                        reference = new
+                    if reference is not None:
+                        ref_lengths = generated_lengths(reference, eos_ids)
+                        total["equal"] &= all(
+                            n == m and new[i, :n].tolist() == reference[i, :m].tolist()
+                            for i, (n, m) in enumerate(zip(lengths, ref_lengths))
+                        )
+                    if name != "baseline":
+                        total["steps"].append(batch_acceptance_length(drafter.last_acceptance_lengths))
+                    bar.update()
+            base_rate = tokens_per_second(totals["baseline"]["tokens"], totals["baseline"]["seconds"])
+            for name, _ in methods:
+                total = totals[name]
+                rate = tokens_per_second(total["tokens"], total["seconds"])
+                taus = [t for t in total["steps"] if math.isfinite(t)]
+                rows.append({
+                    "batch_size": batch_size,
+                    "method": name,
+                    "tokens_per_s": rate,
+                    "speedup": speedup(rate, base_rate),
+                    "tau": sum(taus) / len(taus) if taus else (1.0 if name == "baseline" else float("nan")),
+                    "tokens": total["tokens"],
+                    "seconds": total["seconds"],
+                    "rows_equal": total["equal"],
+                })
+    finally:
+        drafter.draft_length = None
+        bar.close()
+    return rows
+
+
+def format_batch_markdown(rows: Sequence[Mapping[str, Any]], header: str = "") -> str:
+    """The batched-throughput table."""
+    lines = ["## DFlash batched throughput (greedy)", ""]
+    if header:
+        lines += [header, ""]
+    lines += [
+        "| batch size | method | tokens/s (whole batch) | speedup | tau | generated tokens | seconds | rows equal plain |",
+        "|---:|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['batch_size']} | {METHOD_LABELS.get(r['method'], r['method'])} | {_fmt(r['tokens_per_s'], '.1f')} | "
+            f"{_fmt(r['speedup'], '.2f')}x | {_fmt(r['tau'], '.2f')} | {r['tokens']} | {r['seconds']:.1f} | "
+            f"{'yes' if r['rows_equal'] else 'NO'} |"
+        )
+    lines += [
+        "",
+        "tokens/s: tokens generated by all rows (each up to its first EOS) over wall time; speedup over plain batched "
+        "generate() at the same batch size; tau: tokens committed per row and verification step.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# ======================================================================================================================
 # Environment, output files
 # ======================================================================================================================
 
@@ -1382,6 +1551,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help="tiny random target + drafter and random prompts: checks the whole pipeline in seconds (numbers mean "
         "nothing)",
     )
+    parser.add_argument(
+        "--batch-sizes", default=None,
+        help="comma-separated, e.g. 1,4,8,16: instead of the per-prompt comparison, measure batched throughput (greedy) "
+        "of plain generate() vs DFlash at these batch sizes (writes <name>-batch.json/.md)",
+    )
     return parser
 
 
@@ -1522,6 +1696,9 @@ def run_bench(args: argparse.Namespace) -> int:
     if not trained:
         print(f"\nNOTE: {UNTRAINED_NOTE}\n      A trained SmolLM2 drafter is expected at {SHIPPED_DRAFTER}.\n",
               file=sys.stderr)
+    if args.batch_sizes:
+        return _run_batch_command(args, target, drafter, tokenizer, datasets, adaptive_setting, description,
+                                  target_name, dtype_name, device)
     report = run_benchmark(
         target,
         drafter,
@@ -1553,4 +1730,42 @@ def run_bench(args: argparse.Namespace) -> int:
     paths = write_report(report, args.output_dir, args.name)
     print(format_markdown(report))
     print("Wrote " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)
+    return 0
+
+
+def _run_batch_command(args, target, drafter, tokenizer, datasets, adaptive_setting, description, target_name,
+                       dtype_name, device) -> int:
+    """`dflash bench --batch-sizes ...`: batched throughput over the prompts of all datasets, in order."""
+    try:
+        batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+    except ValueError:
+        batch_sizes = []
+    if not batch_sizes or min(batch_sizes) < 1:
+        raise SystemExit(f"dflash bench: --batch-sizes must be positive integers like 1,4,8,16, got {args.batch_sizes!r}.")
+    prompts = [encode_prompt(tokenizer, p, device)[0] for ps in datasets.values() for p in ps]
+    pad_token_id = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+    rows = run_batch_benchmark(
+        target, drafter, prompts, batch_sizes=batch_sizes, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+        warmup=args.warmup, pad_token_id=pad_token_id,
+        adaptive_draft_length=adaptive_setting if "dflash_adaptive" in args.methods or args.methods == "all" else None,
+        progress=not args.no_progress,
+    )
+    env = environment(device)
+    header = (
+        f"- command: `{env.get('command', '')}`\n- target: {target_name}; drafter: {description}; dtype {dtype_name}; "
+        f"{env.get('device')} ({env.get('gpu') or env.get('cpu')}), {env.get('torch_threads')} torch thread(s)\n"
+        f"- prompts: {', '.join(f'{k} ({len(v)})' for k, v in datasets.items())}, cycled to fill each batch; "
+        f"max new tokens {args.max_new_tokens}; repeats {args.repeats}; warm-up {args.warmup}\n"
+        f"- torch {env.get('torch')}, transformers {env.get('transformers')}, commit "
+        f"{str((env.get('git') or {}).get('commit'))[:10]}"
+    )
+    markdown = format_batch_markdown(rows, header)
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"settings": {"batch_sizes": batch_sizes, "max_new_tokens": args.max_new_tokens, "target": target_name,
+                           "drafter": description, "dtype": dtype_name}, "environment": env, "rows": rows}
+    (out / f"{args.name}-batch.json").write_text(json.dumps(_json_safe(report), indent=1) + "\n", encoding="utf-8")
+    (out / f"{args.name}-batch.md").write_text(markdown, encoding="utf-8")
+    print(markdown)
+    print(f"Wrote {out / (args.name + '-batch.json')}, {out / (args.name + '-batch.md')}", file=sys.stderr)
     return 0
