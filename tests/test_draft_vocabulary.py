@@ -201,3 +201,16 @@ def test_cached_features_train_offline(tmp_path):
         assert sum(1 for line in f if "loss" in json.loads(line)) == 4
     # Must not include the mask token (the default mask id is the last row).
     assert VOCAB - 1 not in trained.draft_vocab_ids.tolist()
+
+
+def test_reduced_vocabulary_exports_to_hub_layout_only(tmp_path):
+    from transformers_dflash.interop import check_layout, convert_drafter, export_drafter
+
+    target = make_target("qwen3", dtype=torch.float32)
+    drafter = reduced_drafter(target)
+    out = export_drafter(drafter, tmp_path / "hub", "hub")
+    assert check_layout(out, "hub") == []
+    assert torch.equal(convert_drafter(out).draft_vocab_ids, drafter.draft_vocab_ids)
+    for layout in ("released", "speculators"):
+        with pytest.raises(ValueError, match="reduced vocabulary"):
+            export_drafter(drafter, tmp_path / layout, layout)

@@ -59,6 +59,27 @@ def rope_parameters_from_config(config) -> dict:
     return _normalized_rope(params, getattr(config, "rope_theta", 10000.0))
 
 
+def decoder_shape_kwargs(config) -> dict:
+    """The decoder-layer shape of a transformers text config, as `DFlashConfig` keyword arguments: hidden and MLP
+    sizes, attention heads (GQA, head_dim defaulting to hidden_size // heads), activation, RMSNorm epsilon, context
+    length and RoPE. Used to build a drafter that fits a target, and to read a foreign decoder config."""
+    heads = config.num_attention_heads
+    return dict(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        hidden_act=getattr(config, "hidden_act", "silu"),
+        max_position_embeddings=config.max_position_embeddings,
+        rms_norm_eps=getattr(config, "rms_norm_eps", 1e-6),
+        rope_parameters=rope_parameters_from_config(config),
+        bos_token_id=getattr(config, "bos_token_id", None),
+        eos_token_id=getattr(config, "eos_token_id", None),
+    )
+
+
 class DFlashConfig(PretrainedConfig):
     r"""Configuration of a [`DFlashDraftModel`].
 

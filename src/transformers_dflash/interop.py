@@ -55,7 +55,9 @@ The three layouts (every one stores the weights as ONE `model.safetensors` with 
 Reading is strict: a layout is detected from config.json; only safetensors are read (pickled `.bin`/`.pt` files are
 refused with a clear message, never unpickled); no code from the folder is ever run (the installed classes are used);
 missing, unexpected or mis-shaped tensors raise. What DFlash-here cannot represent is refused rather than approximated:
-a reduced draft vocabulary, a hidden size different from the target's, causal sliding-window blocks, Domino heads.
+a speculators reduced draft vocabulary (own lm_head + d2t), a hidden size different from the target's, causal
+sliding-window blocks, Domino heads. Our own reduced draft vocabulary (`draft_vocab_ids`, rows of the target's LM head)
+exports to the hub layout only; the released and speculators exports refuse it.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ from pathlib import Path
 
 import torch
 
-from .configuration_dflash import DFlashConfig, rope_parameters_from_config
+from .configuration_dflash import DFlashConfig, decoder_shape_kwargs, rope_parameters_from_config
 from .model_card import CardMetadata, metadata_from_training_dir, write_model_card
 from .modeling_dflash import DFlashDraftModel
 
@@ -279,6 +281,8 @@ def expected_tensor_names(config: DFlashConfig) -> set[str]:
         names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
         if getattr(config, "attention_bias", False):
             names |= {p + f"self_attn.{m}_proj.bias" for m in "qkvo"}
+    if getattr(config, "draft_vocab_size", None) is not None:
+        names.add("draft_vocab_ids")  # reduced draft vocabulary (hub layout only)
     return names
 
 
@@ -457,6 +461,12 @@ def export_drafter(
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}.")
     config = drafter.config
+    if layout != "hub" and getattr(config, "draft_vocab_size", None) is not None:
+        raise ValueError(
+            f"This drafter drafts from a reduced vocabulary ({config.draft_vocab_size} tokens, `draft_vocab_ids`), "
+            f"which the {layout} layout cannot express (its readers score the target's whole LM head). Export it "
+            "with --layout hub, or train a drafter without --draft-vocab-size for that layout."
+        )
     target = target_info(target_name_or_path)
     _check_fits_target(config, target)
     metadata = CardMetadata.coerce(card_metadata)
@@ -756,20 +766,11 @@ def _decoder_kwargs_from_transformers_config(raw: dict) -> dict:
         decoder = AutoConfig.for_model(model_type, **{k: v for k, v in raw.items() if k not in skipped})
     except (KeyError, ValueError) as error:
         raise ValueError(f"transformer_layer_config (model_type {model_type!r}) cannot be read: {error}") from error
-    heads = decoder.num_attention_heads
     layers = decoder.num_hidden_layers
     return dict(
-        vocab_size=decoder.vocab_size,
-        hidden_size=decoder.hidden_size,
-        intermediate_size=decoder.intermediate_size,
+        decoder_shape_kwargs(decoder),
         num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=getattr(decoder, "num_key_value_heads", None) or heads,
-        head_dim=getattr(decoder, "head_dim", None) or decoder.hidden_size // heads,
-        hidden_act=getattr(decoder, "hidden_act", "silu"),
-        max_position_embeddings=decoder.max_position_embeddings,
         initializer_range=getattr(decoder, "initializer_range", 0.02),
-        rms_norm_eps=getattr(decoder, "rms_norm_eps", 1e-6),
         rope_parameters=_rope_from_raw(raw, decoder),
         attention_bias=bool(getattr(decoder, "attention_bias", False)),
         attention_dropout=getattr(decoder, "attention_dropout", 0.0),
@@ -777,8 +778,6 @@ def _decoder_kwargs_from_transformers_config(raw: dict) -> dict:
         sliding_window=getattr(decoder, "sliding_window", None),
         use_sliding_window=bool(getattr(decoder, "use_sliding_window", False)),
         max_window_layers=getattr(decoder, "max_window_layers", None),
-        bos_token_id=getattr(decoder, "bos_token_id", None),
-        eos_token_id=getattr(decoder, "eos_token_id", None),
     )
 
 

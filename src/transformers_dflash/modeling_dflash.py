@@ -28,7 +28,7 @@ try:  # transformers >= 4.48
 except ImportError:  # pragma: no cover - older releases are outside the supported range
     ALL_ATTENTION_FUNCTIONS = {}
 
-from .configuration_dflash import DFlashConfig, default_target_layer_ids, rope_parameters_from_config
+from .configuration_dflash import DFlashConfig, decoder_shape_kwargs, default_target_layer_ids
 from .generation_dflash import (
     DFlashCandidateGenerator,
     DFlashDrafterCache,
@@ -453,25 +453,14 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             target_layer_ids = default_target_layer_ids(num_target_layers, num_target_features)
         if mask_token_id is None:
             mask_token_id = vocab_size - 1
-        num_heads = text_config.num_attention_heads
         config_kwargs = dict(
-            vocab_size=vocab_size,
-            hidden_size=text_config.hidden_size,
-            intermediate_size=text_config.intermediate_size,
+            decoder_shape_kwargs(text_config),
+            vocab_size=vocab_size,  # the embedding table's rows (may be padded past config.vocab_size)
             num_hidden_layers=num_layers,
-            num_attention_heads=num_heads,
-            num_key_value_heads=getattr(text_config, "num_key_value_heads", None) or num_heads,
-            head_dim=getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads,
-            hidden_act=getattr(text_config, "hidden_act", "silu"),
-            max_position_embeddings=text_config.max_position_embeddings,
-            rms_norm_eps=getattr(text_config, "rms_norm_eps", 1e-6),
-            rope_parameters=rope_parameters_from_config(text_config),
             block_size=block_size,
             mask_token_id=mask_token_id,
             target_layer_ids=list(target_layer_ids),
             num_target_layers=num_target_layers,
-            bos_token_id=getattr(text_config, "bos_token_id", None),
-            eos_token_id=getattr(text_config, "eos_token_id", None),
         )
         if draft_vocab_ids is not None:
             config_kwargs["draft_vocab_size"] = len(draft_vocab_ids)
