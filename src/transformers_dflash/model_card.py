@@ -236,6 +236,9 @@ def _details(config, metadata: CardMetadata, layout: str) -> str:
         ("Block size (anchor + masked slots)", config.block_size),
         ("Mask token id", config.mask_token_id),
         ("Vocabulary (the target's)", _num(config.vocab_size)),
+        ("Draft vocabulary", f"{_num(config.draft_vocab_size)} tokens (`draft_vocab_ids`: the drafter proposes only "
+         "these; verification uses the whole vocabulary)" if getattr(config, "draft_vocab_size", None) else "the "
+         "whole vocabulary"),
         ("Parameters", _num(_parameter_count(config))),
         ("Weights dtype", str(dtype).replace("torch.", "") if dtype is not None else None),
         ("Checkpoint layout", {"hub": "transformers (config with `auto_map` + code + safetensors)",
