@@ -113,10 +113,20 @@ def test_draft_length_policy_rules():
     auto.record(5, 1.0)
     assert auto.num_to_verify(confidence) == 2  # ... then half of it
     auto.record(3, 0.6)  # 0.2 s per verified token on top of 0 s: verification cost dominates
+    assert auto.num_to_verify(confidence) == 0  # ... then no draft (width 1) is measured too
+    auto.record(1, 0.2)
     assert auto.num_to_verify(confidence) == 0
+    assert auto.step_costs(5) == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0])  # measured where it can, else the line
     cheap = DraftLengthPolicy(auto=True)
     cheap.record(5, 1.0)
     cheap.record(1, 0.99)  # nearly free extra tokens (a GPU): verify everything
     assert cheap.num_to_verify(confidence) == 4
+    # A CPU: one token is cheap, two to five cost the same. Confident drafts are worth it, doubtful ones are not.
+    cpu = DraftLengthPolicy(auto=True)
+    for width, seconds in ((5, 1.7), (3, 1.7), (1, 1.0)):
+        cpu.record(width, seconds)
+    assert cpu.num_to_verify(confidence) == 4  # row 0: 1 + .9 + .81 + .41 + .36 = 3.5 tokens in 1.7 s > 1 in 1.0
+    doubtful = torch.tensor([[0.3, 0.3, 0.3, 0.3]])
+    assert cpu.num_to_verify(doubtful) == 0  # 1.43 tokens in 1.7 s < 1 token in 1.0 s: a plain step
     with pytest.raises(ValueError, match="draft_length"):
         DraftLengthPolicy.from_setting(1.5)

@@ -183,10 +183,12 @@ class DraftLengthPolicy:
     - `None` (default): verify the whole block;
     - a float threshold `t`: verify drafts while the cumulative drafter confidence (the product of the drafter's
       probabilities of its own proposals) stays >= t;
-    - `"auto"`: pick the length k that maximises expected tokens per second,
-      `(1 + sum_{j<=k} P_j) / (a + b * (k + 1))`, with `P_j` the cumulative confidence and `a + b * width` the step
-      time, fitted by least squares to the step times measured in this generate() call (the first steps verify the
-      full block and half of it, so the fit has two widths to start from).
+    - `"auto"`: pick the length k (0 = verify no draft: a plain decoding step) that maximises expected tokens per
+      second, `(1 + sum_{j<=k} P_j) / cost(k + 1)`, with `P_j` the cumulative confidence and `cost(w)` the measured
+      time of a step that verifies w tokens in this generate() call (draft included): the mean of the steps of that
+      width, else a least-squares line through all steps. The first steps explore the full block, half of it, and no
+      draft at all. A table rather than a line, because on CPUs one token is much cheaper than two (a matrix-vector
+      product instead of a matrix product) while two to eight cost about the same.
 
     For a batch, every row's choice is computed and the widest wins (rows share one verification forward).
     """
@@ -222,19 +224,43 @@ class DraftLengthPolicy:
         slope = max(sum((w - mean_w) * (t - mean_t) for w, t in self.samples) / var, 0.0)
         return mean_t - slope * mean_w, slope
 
+    def step_costs(self, max_width: int) -> list[float] | None:
+        """Estimated seconds of a step verifying w = 1 .. max_width tokens (None before two widths were measured)."""
+        line = self._cost_line()
+        if line is None:
+            return None
+        intercept, slope = line
+        totals: dict[int, list[float]] = {}
+        for w, t in self.samples:
+            totals.setdefault(w, []).append(t)
+        measured = {w: sum(ts) / len(ts) for w, ts in totals.items()}
+        costs = []
+        for w in range(1, max_width + 1):
+            below = [m for m in measured if m < w]
+            above = [m for m in measured if m > w]
+            if w in measured:
+                costs.append(measured[w])
+            elif below and above:  # between two measured widths: interpolate
+                lo, hi = max(below), min(above)
+                costs.append(measured[lo] + (measured[hi] - measured[lo]) * (w - lo) / (hi - lo))
+            else:
+                costs.append(max(intercept + slope * w, 1e-9))
+        return costs
+
     def num_to_verify(self, confidence: torch.Tensor) -> int:
         """Drafts to verify, from per-row confidences `[rows, num_draft]`."""
         num_draft = confidence.shape[1]
         cumulative = confidence.cumprod(dim=1)
         if not self.auto:
             return int((cumulative >= self.threshold).sum(dim=1).max())
-        line = self._cost_line()
-        if line is None:  # explore: full block, then half of it
+        widths = {w for w, _ in self.samples}
+        if len(widths) < 2:  # explore: full block, then half of it
             return num_draft if not self.samples else max(1, num_draft // 2)
-        intercept, slope = line
-        k = torch.arange(num_draft + 1, device=confidence.device, dtype=torch.float32)
+        if 1 not in widths:  # ... then no draft at all
+            return 0
+        costs = torch.tensor(self.step_costs(num_draft + 1), dtype=torch.float32, device=confidence.device)
         gained = 1 + torch.cat([cumulative.new_zeros(cumulative.shape[0], 1), cumulative.cumsum(dim=1)], dim=1)
-        rate = gained / (max(intercept, 1e-9) + slope * (k + 1))
+        rate = gained.float() / costs
         return int(rate.argmax(dim=1).max())
 
 
