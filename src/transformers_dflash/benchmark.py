@@ -1004,6 +1004,12 @@ def run_benchmark(
             "block verification may round differently from one-token decoding and flip a near-tie; in float64 any "
             "difference is a bug."
         )
+    if builtin_drafter is not None and getattr(drafter, "draft_vocab_ids", None) is not None:
+        notes.append(
+            f"The drafter drafts from a reduced vocabulary ({drafter.config.draft_vocab_size} tokens); transformers' "
+            "built-in DFlash path has no such option, so it gets the same layer weights but scores the whole "
+            "vocabulary: its drafts (and tau) can differ from ours, and its draft step pays for the full LM head."
+        )
     if "builtin_dflash" in skipped:
         notes.append(f"transformers' built-in DFlash path was not run: {skipped['builtin_dflash']}.")
     report = {
