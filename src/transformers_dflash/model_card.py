@@ -315,6 +315,10 @@ def _usage(config, metadata: CardMetadata, layout: str) -> str:
             f"  --speculative-config '{{\"method\": \"dflash\", \"model\": \"{repo}\", "
             f"\"num_speculative_tokens\": {num_spec}}}'\n"
             "```")
+    if layout == "hub" and getattr(config, "draft_vocab_size", None):
+        return (f"With transformers:\n\n{python}\n\n{remote}\n\n"
+                "SGLang and vLLM cannot run this drafter as it is: their DFlash readers score the target's whole LM "
+                "head, while this drafter proposes from its reduced draft vocabulary (`draft_vocab_ids`).")
     if layout == "hub":
         return (f"With transformers:\n\n{python}\n\n{remote}\n\n"
                 "For SGLang or vLLM, export the released DFlash layout or the speculators layout first:\n\n"
