@@ -306,3 +306,12 @@ def test_real_smollm2():
     drafter = DFlashDraftModel.from_target(model, num_layers=1, block_size=16).eval()
     dflash = model.generate(input_ids, assistant_model=drafter, max_new_tokens=12, do_sample=False)
     assert torch.equal(plain, dflash)
+
+
+def test_demo_draft_length_option():
+    assert cli.parse_demo_draft_length(None, "cpu") == "auto"
+    assert cli.parse_demo_draft_length(None, "cuda") is None
+    assert cli.parse_demo_draft_length("full", "cpu") is None
+    assert cli.parse_demo_draft_length("0.4", "cpu") == 0.4
+    with pytest.raises(SystemExit, match="--draft-length"):
+        cli.parse_demo_draft_length("often", "cpu")

@@ -328,8 +328,32 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         help="where the converted SmolLM2 copy is kept (default: $DFLASH_CACHE/smollm2-135m-instruct, else "
         "~/.cache/transformers_dflash/smollm2-135m-instruct)",
     )
+    parser.add_argument(
+        "--draft-length",
+        default=None,
+        help="drafts verified per step: 'full' (the whole block), 'auto' (only those worth their verification cost, "
+        "measured as it runs) or a confidence threshold in [0, 1]. Default: 'auto' on CPU, where verifying 2 tokens "
+        "costs much more than 1, else 'full'",
+    )
     parser.add_argument("--no-stream", action="store_true", help="do not stream the answer while it is generated")
     return parser
+
+
+def parse_demo_draft_length(text: str | None, device: str):
+    """`drafter.draft_length` for `--draft-length` (None = the whole block)."""
+    if text is None:
+        return "auto" if str(device).startswith("cpu") else None
+    if text in ("full", "none", "None"):
+        return None
+    if text == "auto":
+        return "auto"
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise SystemExit(f"dflash demo: --draft-length must be 'full', 'auto' or a number in [0, 1], got {text!r}.")
+    return value
 
 
 def load_demo_drafter(target, path: str | os.PathLike | None = None):
@@ -354,6 +378,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
         raise SystemExit("dflash demo: --max-new-tokens must be >= 1 and --repeats >= 0.")
     torch.set_num_threads(max(1, args.threads))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    draft_length = parse_demo_draft_length(args.draft_length, device)  # bad values fail before the slow load
     print(f"Loading SmolLM2-135M-Instruct ({args.dtype}, {device}, {torch.get_num_threads()} CPU threads)...", flush=True)
     start = time.perf_counter()
     try:
@@ -364,6 +389,8 @@ def run_demo_command(args: argparse.Namespace) -> int:
     print(f"Loaded in {time.perf_counter() - start:.1f} s.", flush=True)
 
     drafter, description, trained = load_demo_drafter(target, args.drafter)
+    drafter.draft_length = draft_length
+    description += f"; draft length {drafter.draft_length or 'full block'}"
     if trained:
         print(f"Drafter: {description}.", flush=True)
     else:
