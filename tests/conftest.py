@@ -108,3 +108,13 @@ def oracle(monkeypatch):
         return Oracle(references, **kwargs).install(monkeypatch)
 
     return make
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models run fastest on one torch thread (several threads mostly wait on each other, worse on a busy
+    machine). Modules opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

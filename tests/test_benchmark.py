@@ -15,12 +15,7 @@ BUILTIN, BUILTIN_REASON = bench.builtin_dflash_available()
 needs_builtin = pytest.mark.skipif(not BUILTIN, reason=BUILTIN_REASON)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -66,13 +66,7 @@ def tiny_target(tokenizer, seed=0) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread (several threads contend badly on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
 
 
 @pytest.fixture

@@ -24,12 +24,7 @@ from transformers_dflash.training import (
 DRAFT_IDS = list(range(3, VOCAB, 3))  # every third token
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
 
 
 def reduced_drafter(target, ids=DRAFT_IDS, **kwargs):

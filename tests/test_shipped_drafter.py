@@ -91,3 +91,11 @@ def test_shipped_drafter_is_lossless_and_accepted_on_smollm2():
 
 
 TAU_FLOOR = 1.3
+
+
+def test_shipped_code_is_the_package_code():
+    """The checkpoint carries its own copy of the core files (for `trust_remote_code` without this package); it must
+    not drift from them. After changing a core file, copy it into the shipped folder."""
+    package = SHIPPED_DRAFTER.parents[1]
+    for name in ("configuration_dflash.py", "modeling_dflash.py", "generation_dflash.py"):
+        assert (SHIPPED_DRAFTER / name).read_text() == (package / name).read_text(), f"copy {name} into {SHIPPED_DRAFTER}"

@@ -31,13 +31,7 @@ from transformers_dflash.training import (
 BLOCK_SIZE = 4
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread (several threads mostly wait on each other, worse on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
 
 
 def tiny_target(dtype=torch.float32, num_layers=4, initializer_range=0.02):
