@@ -484,6 +484,15 @@ def build_methods(
 ) -> tuple[list[Method], dict[str, str]]:
     """The requested methods that can run here, and `{name: reason}` for those that cannot."""
     methods, skipped = [], {}
+
+    def dflash_generate(setting):
+        def generate(ids, kw):
+            with draft_length(drafter, setting):
+                out = target.generate(ids, assistant_model=drafter, **kw)
+            return out, list(drafter.last_acceptance_lengths)
+
+        return generate
+
     for name in names:
         if name == "baseline":
             methods.append(Method(name, METHOD_LABELS[name], lambda ids, kw: (target.generate(ids, **kw), None)))
@@ -491,13 +500,8 @@ def build_methods(
             if drafter is None:
                 skipped[name] = "no drafter given"
                 continue
-
-            def generate(ids, kw):
-                with draft_length(drafter, None):
-                    out = target.generate(ids, assistant_model=drafter, **kw)
-                return out, list(drafter.last_acceptance_lengths)
-
-            methods.append(Method(name, METHOD_LABELS[name], generate, f"block {drafter.config.block_size}"))
+            block = f"block {drafter.config.block_size}"
+            methods.append(Method(name, METHOD_LABELS[name], dflash_generate(None), block))
         elif name == "dflash_adaptive":
             if drafter is None:
                 skipped[name] = "no drafter given"
@@ -505,14 +509,8 @@ def build_methods(
             if not hasattr(drafter, "draft_length"):
                 skipped[name] = "this drafter's code has no adaptive draft length"
                 continue
-
-            def generate_adaptive(ids, kw):
-                with draft_length(drafter, adaptive_draft_length):
-                    out = target.generate(ids, assistant_model=drafter, **kw)
-                return out, list(drafter.last_acceptance_lengths)
-
             methods.append(
-                Method(name, METHOD_LABELS[name], generate_adaptive,
+                Method(name, METHOD_LABELS[name], dflash_generate(adaptive_draft_length),
                        f"block {drafter.config.block_size}, draft_length={adaptive_draft_length!r}")
             )
         elif name == "builtin_dflash":

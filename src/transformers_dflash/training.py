@@ -613,11 +613,6 @@ def train(config: TrainingConfig, target: nn.Module | None = None) -> dict:
     if checkpoint is not None:
         drafter = DFlashDraftModel.from_pretrained(checkpoint, dtype=torch.float32)
     else:
-        vocab_ids = None
-        if config.draft_vocab_size is not None:
-            vocab_size = target.get_input_embeddings().weight.shape[0]
-            mask_token_id = config.mask_token_id if config.mask_token_id is not None else vocab_size - 1
-            vocab_ids = draft_vocabulary(config.data, config.draft_vocab_size, vocab_size, exclude=[mask_token_id])
         drafter = DFlashDraftModel.from_target(
             target,
             num_layers=config.num_layers,
@@ -625,8 +620,13 @@ def train(config: TrainingConfig, target: nn.Module | None = None) -> dict:
             mask_token_id=config.mask_token_id,
             target_layer_ids=config.target_layer_ids,
             num_target_features=config.num_target_features,
-            draft_vocab_ids=vocab_ids,
+            draft_vocab_size=config.draft_vocab_size,
         )
+        if config.draft_vocab_size is not None:  # the drafter's own mask token never enters its draft vocabulary
+            c = drafter.config
+            drafter.set_draft_vocabulary(
+                draft_vocabulary(config.data, c.draft_vocab_size, c.vocab_size, exclude=[c.mask_token_id])
+            )
     check_cached_features(config.data, drafter.config.target_layer_ids)
     drafter.float().train()
     if drafter.config._attn_implementation in (None, "flash_attention_2"):

@@ -288,15 +288,11 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.embed_tokens = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
         # The rows of the LM head the drafter scores (a reduced draft vocabulary, or all of them), sliced once.
-        vocab_ids = getattr(drafter, "draft_vocab_ids", None)
-        if vocab_ids is not None:
-            self.head_weight, self.head_bias = drafter.draft_head(self.lm_head)
-            self.draft_vocab_ids = vocab_ids.to(self.head_weight.device)
+        self.head_weight, self.head_bias = drafter.draft_head(self.lm_head)
+        self.draft_vocab_ids, self.mask_index = drafter.draft_vocab_ids, self.config.mask_token_id
+        if self.draft_vocab_ids is not None:
+            self.draft_vocab_ids = self.draft_vocab_ids.to(self.head_weight.device)
             self.mask_index = (self.draft_vocab_ids == self.config.mask_token_id).nonzero().flatten()
-        else:
-            self.head_weight, self.head_bias = self.lm_head.weight, getattr(self.lm_head, "bias", None)
-            self.draft_vocab_ids = None
-            self.mask_index = self.config.mask_token_id
         self.max_length = getattr(generation_config, "max_length", None)
         self.logits_processor = logits_processor
         self.cache = DFlashDrafterCache(self.config.num_hidden_layers)
