@@ -47,7 +47,8 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_METHODS = ("baseline", "dflash", "dflash_adaptive", "builtin_dflash", "prompt_lookup")
-OPTIONAL_METHODS = ("early_exit", "assistant")
+# The *_skinny / dflash_stock_linears methods attribute speed to kernels: every method with the same linear kernels.
+OPTIONAL_METHODS = ("early_exit", "assistant", "baseline_skinny", "prompt_lookup_skinny", "dflash_stock_linears")
 METHOD_LABELS = {
     "baseline": "plain generate()",
     "dflash": "DFlash (transformers-dflash)",
@@ -56,7 +57,12 @@ METHOD_LABELS = {
     "prompt_lookup": "prompt lookup",
     "early_exit": "early-exit self-speculation",
     "assistant": "assistant model",
+    "baseline_skinny": "plain generate(), skinny linears",
+    "prompt_lookup_skinny": "prompt lookup, skinny linears",
+    "dflash_stock_linears": "DFlash (transformers-dflash), stock nn.Linear kernels",
 }
+BATCH_METHODS = ("baseline", "dflash", "dflash_adaptive", "baseline_skinny", "dflash_stock_linears")
+PLAIN_METHODS = ("baseline", "baseline_skinny")  # no drafter: tau is 1 by definition
 BUILTIN_DRAFTER_RENAMES = {"fc.weight": "encoder.fc.weight", "hidden_norm.weight": "encoder.output_norm_enc.weight"}
 SHIPPED_DRAFTER = Path(__file__).resolve().parent / "drafters" / "smollm2-135m-instruct"
 
@@ -460,6 +466,34 @@ def parse_draft_length(text):
     return value
 
 
+@contextlib.contextmanager
+def fast_cpu_linears(drafter, enabled: bool):
+    """Temporarily set `drafter.fast_cpu_linears` (False: verify and draft with stock `nn.Linear` kernels)."""
+    previous = getattr(drafter, "fast_cpu_linears", None)
+    if previous is None and enabled:  # older drafter code: always stock kernels
+        raise ValueError("this drafter's code has no fast_cpu_linears setting")
+    drafter.fast_cpu_linears = enabled
+    try:
+        yield drafter
+    finally:
+        if previous is None:
+            del drafter.fast_cpu_linears
+        else:
+            drafter.fast_cpu_linears = previous
+
+
+def _with_skinny_linears(target, generate: Callable) -> Callable:
+    """`generate` with the target's linear layers computed by `skinny_linear` (what DFlash decoding uses on CPUs)."""
+
+    from .generation_dflash import skinny_linears
+
+    def wrapped(ids, kw):
+        with skinny_linears(target):
+            return generate(ids, kw)
+
+    return wrapped
+
+
 def _assisted(target, extra: dict) -> Callable:
     def generate(input_ids, kwargs):
         recorder = _AssistedRecorder()
@@ -485,17 +519,39 @@ def build_methods(
     """The requested methods that can run here, and `{name: reason}` for those that cannot."""
     methods, skipped = [], {}
 
-    def dflash_generate(setting):
+    def dflash_generate(setting, fast_linears=True):
         def generate(ids, kw):
-            with draft_length(drafter, setting):
+            with draft_length(drafter, setting), fast_cpu_linears(drafter, fast_linears):
                 out = target.generate(ids, assistant_model=drafter, **kw)
             return out, list(drafter.last_acceptance_lengths)
 
         return generate
 
+    def plain(ids, kw):
+        return target.generate(ids, **kw), None
+
+    def prompt_lookup_extra():
+        extra = {"prompt_lookup_num_tokens": prompt_lookup_tokens}
+        if max_matching_ngram_size is not None:
+            extra["max_matching_ngram_size"] = max_matching_ngram_size
+        return extra, f"{prompt_lookup_tokens} tokens, n-gram <= {max_matching_ngram_size or 2}"
+
     for name in names:
         if name == "baseline":
-            methods.append(Method(name, METHOD_LABELS[name], lambda ids, kw: (target.generate(ids, **kw), None)))
+            methods.append(Method(name, METHOD_LABELS[name], plain))
+        elif name == "baseline_skinny":
+            methods.append(Method(name, METHOD_LABELS[name], _with_skinny_linears(target, plain)))
+        elif name == "prompt_lookup_skinny":
+            extra, note = prompt_lookup_extra()
+            methods.append(Method(name, METHOD_LABELS[name], _with_skinny_linears(target, _assisted(target, extra)), note))
+        elif name == "dflash_stock_linears":
+            if drafter is None:
+                skipped[name] = "no drafter given"
+                continue
+            methods.append(
+                Method(name, METHOD_LABELS[name], dflash_generate(None, fast_linears=False),
+                       f"block {drafter.config.block_size}, fast_cpu_linears=False")
+            )
         elif name == "dflash":
             if drafter is None:
                 skipped[name] = "no drafter given"
@@ -531,10 +587,7 @@ def build_methods(
                 )
             )
         elif name == "prompt_lookup":
-            extra = {"prompt_lookup_num_tokens": prompt_lookup_tokens}
-            if max_matching_ngram_size is not None:
-                extra["max_matching_ngram_size"] = max_matching_ngram_size
-            note = f"{prompt_lookup_tokens} tokens, n-gram <= {max_matching_ngram_size or 2}"
+            extra, note = prompt_lookup_extra()
             methods.append(Method(name, METHOD_LABELS[name], _assisted(target, extra), note))
         elif name == "early_exit":
             num_layers = _num_target_layers(target)
@@ -1097,8 +1150,12 @@ def run_batch_benchmark(
     pad_token_id: int | None = None,
     adaptive_draft_length=None,
     progress: bool = True,
+    methods: Sequence[str] | None = None,
 ) -> list[dict]:
     """Throughput of plain batched `generate()` against batched DFlash (greedy), batch size by batch size.
+
+    methods: among `BATCH_METHODS` (default: baseline, dflash, and dflash_adaptive when `adaptive_draft_length` is
+    given); baseline always runs first. `baseline_skinny` / `dflash_stock_linears` attribute speed to kernels.
 
     prompts: 1-D id tensors (chat template already applied); batch size B takes the first B (cycling if fewer).
     Per batch size, each method runs `warmup` untimed calls, then `repeats` timed calls interleaved with the others.
@@ -1115,9 +1172,19 @@ def run_batch_benchmark(
     if pad_token_id is None:
         pad_token_id = target.generation_config.pad_token_id
         pad_token_id = pad_token_id if pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
-    methods = [("baseline", None), ("dflash", None)]
-    if adaptive_draft_length is not None:
-        methods.append(("dflash_adaptive", adaptive_draft_length))
+    from .generation_dflash import skinny_linears
+
+    if methods is None:
+        methods = ["dflash"] + (["dflash_adaptive"] if adaptive_draft_length is not None else [])
+    unknown = sorted(set(methods) - set(BATCH_METHODS))
+    if unknown:
+        raise ValueError(f"batched benchmark methods {unknown} are not among {BATCH_METHODS}")
+    if "dflash_adaptive" in methods and adaptive_draft_length is None:
+        adaptive_draft_length = "auto"
+    methods = [
+        (name, adaptive_draft_length if name == "dflash_adaptive" else None)
+        for name in dict.fromkeys(["baseline", *methods])
+    ]
     bar = _progress_bar(progress, len(batch_sizes) * len(methods) * (warmup + repeats))
     rows: list[dict] = []
     try:
@@ -1130,13 +1197,16 @@ def run_batch_benchmark(
             reference = None
 
             def call(name, setting):
-                extra = {}
-                if name != "baseline":
+                extra, kernels = {}, contextlib.nullcontext()
+                if name == "baseline_skinny":
+                    kernels = skinny_linears(target)
+                elif name != "baseline":
                     drafter.draft_length = setting
+                    drafter.fast_cpu_linears = name != "dflash_stock_linears"
                     extra["assistant_model"] = drafter
                 _synchronize(device)
                 start = time.perf_counter()
-                with torch.inference_mode():
+                with torch.inference_mode(), kernels:
                     out = target.generate(input_ids, **kwargs, **extra)
                 _synchronize(device)
                 return out[:, input_ids.shape[1] :], time.perf_counter() - start
@@ -1164,7 +1234,7 @@ def run_batch_benchmark(
                             n == m and new[i, :n].tolist() == reference[i, :m].tolist()
                             for i, (n, m) in enumerate(zip(lengths, ref_lengths))
                         )
-                    if name != "baseline":
+                    if name not in PLAIN_METHODS:
                         total["steps"].append(batch_acceptance_length(drafter.last_acceptance_lengths))
                     bar.update()
             base_rate = tokens_per_second(totals["baseline"]["tokens"], totals["baseline"]["seconds"])
@@ -1177,13 +1247,14 @@ def run_batch_benchmark(
                     "method": name,
                     "tokens_per_s": rate,
                     "speedup": speedup(rate, base_rate),
-                    "tau": sum(taus) / len(taus) if taus else (1.0 if name == "baseline" else float("nan")),
+                    "tau": sum(taus) / len(taus) if taus else (1.0 if name in PLAIN_METHODS else float("nan")),
                     "tokens": total["tokens"],
                     "seconds": total["seconds"],
                     "rows_equal": total["equal"],
                 })
     finally:
         drafter.draft_length = None
+        drafter.fast_cpu_linears = True
         bar.close()
     return rows
 
@@ -1746,13 +1817,16 @@ def _run_batch_command(args, target, drafter, tokenizer, datasets, adaptive_sett
         batch_sizes = []
     if not batch_sizes or min(batch_sizes) < 1:
         raise SystemExit(f"dflash bench: --batch-sizes must be positive integers like 1,4,8,16, got {args.batch_sizes!r}.")
+    requested = BATCH_METHODS if args.methods == "all" else [m.strip() for m in args.methods.split(",") if m.strip()]
+    batch_methods = [m for m in requested if m in BATCH_METHODS and m != "baseline"]
+    if not batch_methods:
+        raise SystemExit(f"dflash bench --batch-sizes: --methods must name at least one of {BATCH_METHODS[1:]}.")
     prompts = [encode_prompt(tokenizer, p, device)[0] for ps in datasets.values() for p in ps]
     pad_token_id = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
     rows = run_batch_benchmark(
         target, drafter, prompts, batch_sizes=batch_sizes, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
         warmup=args.warmup, pad_token_id=pad_token_id,
-        adaptive_draft_length=adaptive_setting if "dflash_adaptive" in args.methods or args.methods == "all" else None,
-        progress=not args.no_progress,
+        adaptive_draft_length=adaptive_setting, progress=not args.no_progress, methods=batch_methods,
     )
     env = environment(device)
     header = (

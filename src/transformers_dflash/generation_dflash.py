@@ -30,6 +30,7 @@ are tracked per row, so RoPE sees true positions despite holes and left padding.
 (their cache rows are dropped), so they stop costing work.
 """
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -54,6 +55,66 @@ _SCORE_ONLY_PROCESSORS = {
     "EpsilonLogitsWarper",
     "EtaLogitsWarper",
 }
+
+
+# Row counts for which `skinny_linear` takes the transposed product (measured faster, see `skinny_linear`).
+_SKINNY_ROWS = (2, 256)
+
+
+def skinny_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(input, weight, bias)`, computed as `(weight @ input^T)^T` for a few float32 rows on a CPU.
+
+    A verification forward multiplies every weight matrix by a handful of rows (block width x batch). On CPUs, PyTorch
+    runs `input @ weight^T` for 2..256 rows through an MKL GEMM that is much slower than streaming the weights once:
+    measured on a 2-core AMD EPYC (SmolLM2-135M's 211 matrices, 2 threads), 2 rows cost 1.6x one row while the
+    transposed product cost 0.7x, 8 rows 1.5x against 1.1x (`docs/benchmarks.md`). Same arithmetic, other
+    summation order: results agree to float32 rounding, like any change of batch shape. Other devices, dtypes and row
+    counts (one row is a matrix-vector product either way) take `F.linear` unchanged.
+    """
+    rows = input.numel() // input.shape[-1] if input.dim() > 0 and input.shape[-1] else 0
+    if (
+        not _SKINNY_ROWS[0] <= rows <= _SKINNY_ROWS[1]
+        or input.device.type != "cpu"
+        or input.dtype != torch.float32
+        or weight.dtype != torch.float32
+    ):
+        return F.linear(input, weight, bias)
+    output = torch.mm(weight, input.reshape(rows, input.shape[-1]).t()).t()
+    if bias is not None:
+        output = output + bias
+    return output.contiguous().view(*input.shape[:-1], weight.shape[0])
+
+
+class skinny_linears:
+    """Context manager: the plain `nn.Linear` layers of `models` compute through `skinny_linear` inside the block.
+
+    `dflash_decoding` uses it around its loop (on by default; `drafter.skinny_linears = False` turns it off); use it
+    around any other CPU generation to give it the same kernels, e.g. `with skinny_linears(target): target.generate(...)`.
+    Only exact `nn.Linear` instances are touched: subclasses (quantized or LoRA layers) and modules whose `forward`
+    is already replaced on the instance (accelerate's device hooks, another active `skinny_linears`) keep theirs.
+    The original `forward` is restored on exit, also after an error.
+    """
+
+    def __init__(self, *models: nn.Module):
+        self.models = models
+        self.patched: list[nn.Linear] = []
+
+    def __enter__(self):
+        for model in self.models:
+            for module in model.modules():
+                if type(module) is nn.Linear and "forward" not in module.__dict__ and not hasattr(module, "_hf_hook"):
+                    module.forward = functools.partial(_skinny_linear_forward, module)
+                    self.patched.append(module)
+        return self
+
+    def __exit__(self, *exc):
+        for module in self.patched:
+            module.__dict__.pop("forward", None)
+        self.patched = []
+
+
+def _skinny_linear_forward(module: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    return skinny_linear(input, module.weight, module.bias)
 
 
 def _decoder_layers(target: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
@@ -289,6 +350,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.lm_head = target.get_output_embeddings()
         # The rows of the LM head the drafter scores (a reduced draft vocabulary, or all of them), sliced once.
         self.head_weight, self.head_bias = drafter.draft_head(self.lm_head)
+        self.head_linear = skinny_linear if getattr(drafter, "fast_cpu_linears", True) else F.linear
         self.draft_vocab_ids, self.mask_index = drafter.draft_vocab_ids, self.config.mask_token_id
         if self.draft_vocab_ids is not None:
             self.draft_vocab_ids = self.draft_vocab_ids.to(self.head_weight.device)
@@ -364,7 +426,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         ).last_hidden_state
         # Only the rows we will verify go through the (large) LM head.
         hidden = hidden[:, 1 : 1 + num_draft].to(self.head_weight.device, self.head_weight.dtype)
-        logits = F.linear(hidden, self.head_weight, self.head_bias)
+        logits = self.head_linear(hidden, self.head_weight, self.head_bias)
         # The mask token is the drafter's input placeholder; an (untrained) drafter tends to echo it back.
         logits[..., self.mask_index] = torch.finfo(logits.dtype).min
         self.last_confidence = None
@@ -619,92 +681,96 @@ def dflash_decoding(
             streamer.put(choices[0, : num_new[0]].cpu())
         return continuing
 
-    try:
-        # Prefill: the whole prompt through the target; the hooks keep the drafter's context features.
-        if attention_mask is not None:
-            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-            mask = attention_mask.long()
-        else:
-            position_ids = torch.arange(prompt_len, device=device).expand(batch, -1)
-            mask = None
-        raw = target_forward(input_ids, position_ids, mask, 1)[:, -1:].float()
-        processed = logits_processor(input_ids, raw[:, 0].clone())[:, None] if logits_processor else raw
-        choices = _choose(processed, do_sample)
-        active = list(range(batch))
-        num_new, stopped = _stop_lengths(
-            stopping_criteria, sequences, active, lengths, choices, torch.ones(batch, dtype=torch.long, device=device),
-            eos_token_id,
-        )
-        keep = commit(active, choices, num_new, stopped, raw, processed)
-
-        anchor = choices[:, 0]
-        next_position = prompt_lengths.to(device)  # position of each row's anchor
-        context = generator.captured_features()
-        context_positions = position_ids
-        context_mask = mask  # validity of the target cache slots (and of the drafter's context slots); None = all
-
-        while keep:
-            if len(keep) < len(active):  # finished rows leave the batch
-                index = torch.tensor(keep, device=device)
-                active = [active[i] for i in keep]
-                cache.batch_select_indices(index)
-                generator.cache.batch_select_indices(index)
-                anchor, next_position = anchor[index], next_position[index]
-                context, context_positions = context[index], context_positions[index]
-                context_mask = context_mask[index] if context_mask is not None else None
-            rows = len(active)
-            budget = max(prompt_len + max_new_tokens - lengths[r] for r in active)
-            num_draft = min(block_size - 1, budget - 1)
-
-            # 1. draft (optionally keep only the drafts worth verifying)
-            step_start = time.perf_counter()
-            if num_draft > 0:
-                drafts = generator.draft(anchor, next_position, context, context_positions, context_mask, num_draft)
-                if generator.last_confidence is not None:
-                    drafts = drafts[:, : generator.draft_length_policy.num_to_verify(generator.last_confidence)]
+    # Verification multiplies every weight by a few rows: on CPUs the transposed product is much faster
+    # (`skinny_linear`); elsewhere the context changes nothing.
+    kernels = skinny_linears(target, drafter) if getattr(drafter, "fast_cpu_linears", True) else contextlib.nullcontext()
+    with kernels:
+        try:
+            # Prefill: the whole prompt through the target; the hooks keep the drafter's context features.
+            if attention_mask is not None:
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+                mask = attention_mask.long()
             else:
-                drafts = anchor.new_empty(rows, 0)
-            # 2. verify [anchor, drafts] in one target forward
-            candidates = torch.cat([anchor[:, None], drafts], dim=1)
-            width = candidates.shape[1]
-            block_positions = next_position[:, None] + torch.arange(width, device=device)
-            if context_mask is not None:
-                context_mask = torch.cat([context_mask, context_mask.new_ones(rows, width)], dim=1)
-            raw = target_forward(candidates, block_positions, context_mask, width).float()
-            processed = _apply_processors(logits_processor, sequences, active, lengths, candidates, raw)
+                position_ids = torch.arange(prompt_len, device=device).expand(batch, -1)
+                mask = None
+            raw = target_forward(input_ids, position_ids, mask, 1)[:, -1:].float()
+            processed = logits_processor(input_ids, raw[:, 0].clone())[:, None] if logits_processor else raw
             choices = _choose(processed, do_sample)
-            # 3. accept the longest matching prefix, plus the bonus token
-            accepted = (drafts == choices[:, :-1]).long().cumprod(dim=1).sum(dim=1)
-            budgets = torch.tensor([prompt_len + max_new_tokens - lengths[r] for r in active], device=device)
-            num_new = torch.minimum(accepted + 1, budgets)
-            num_new, stopped = _stop_lengths(stopping_criteria, sequences, active, lengths, choices, num_new, eos_token_id)
-            if generator.draft_length_policy is not None:  # `_stop_lengths` synced: the step's time is known
-                generator.draft_length_policy.record(width, time.perf_counter() - step_start)
-            if align_rows:
-                num_new = _align_continuing_rows(num_new, stopped, budgets.tolist())
-            # 4. commit, then keep the slots that hold a verified token for at least one continuing row
+            active = list(range(batch))
+            num_new, stopped = _stop_lengths(
+                stopping_criteria, sequences, active, lengths, choices, torch.ones(batch, dtype=torch.long, device=device),
+                eos_token_id,
+            )
             keep = commit(active, choices, num_new, stopped, raw, processed)
-            if not keep:
-                break
-            kept_slots = max(num_new[i] for i in keep)  # anchor + accepted drafts of the longest continuing row
-            if width > kept_slots:
-                cache.crop(-(width - kept_slots))
-            if context_mask is not None or min(num_new) < kept_slots:  # some row left holes: track them
-                num_kept = torch.tensor(num_new, device=device).clamp(max=kept_slots)
-                verified = torch.arange(kept_slots, device=device)[None] < num_kept[:, None]
-                if context_mask is None:
-                    total = cache.get_seq_length()
-                    context_mask = torch.ones(rows, total - kept_slots, dtype=torch.long, device=device)
+
+            anchor = choices[:, 0]
+            next_position = prompt_lengths.to(device)  # position of each row's anchor
+            context = generator.captured_features()
+            context_positions = position_ids
+            context_mask = mask  # validity of the target cache slots (and of the drafter's context slots); None = all
+
+            while keep:
+                if len(keep) < len(active):  # finished rows leave the batch
+                    index = torch.tensor(keep, device=device)
+                    active = [active[i] for i in keep]
+                    cache.batch_select_indices(index)
+                    generator.cache.batch_select_indices(index)
+                    anchor, next_position = anchor[index], next_position[index]
+                    context, context_positions = context[index], context_positions[index]
+                    context_mask = context_mask[index] if context_mask is not None else None
+                rows = len(active)
+                budget = max(prompt_len + max_new_tokens - lengths[r] for r in active)
+                num_draft = min(block_size - 1, budget - 1)
+
+                # 1. draft (optionally keep only the drafts worth verifying)
+                step_start = time.perf_counter()
+                if num_draft > 0:
+                    drafts = generator.draft(anchor, next_position, context, context_positions, context_mask, num_draft)
+                    if generator.last_confidence is not None:
+                        drafts = drafts[:, : generator.draft_length_policy.num_to_verify(generator.last_confidence)]
                 else:
-                    context_mask = context_mask[:, : context_mask.shape[1] - width]
-                context_mask = torch.cat([context_mask, verified.long()], dim=1)
-            context = generator.captured_features()[:, :kept_slots]
-            context_positions = block_positions[:, :kept_slots]
-            index = torch.tensor(num_new, device=device) - 1
-            anchor = choices.gather(1, index[:, None])[:, 0]
-            next_position = next_position + index + 1
-    finally:
-        generator.close()
+                    drafts = anchor.new_empty(rows, 0)
+                # 2. verify [anchor, drafts] in one target forward
+                candidates = torch.cat([anchor[:, None], drafts], dim=1)
+                width = candidates.shape[1]
+                block_positions = next_position[:, None] + torch.arange(width, device=device)
+                if context_mask is not None:
+                    context_mask = torch.cat([context_mask, context_mask.new_ones(rows, width)], dim=1)
+                raw = target_forward(candidates, block_positions, context_mask, width).float()
+                processed = _apply_processors(logits_processor, sequences, active, lengths, candidates, raw)
+                choices = _choose(processed, do_sample)
+                # 3. accept the longest matching prefix, plus the bonus token
+                accepted = (drafts == choices[:, :-1]).long().cumprod(dim=1).sum(dim=1)
+                budgets = torch.tensor([prompt_len + max_new_tokens - lengths[r] for r in active], device=device)
+                num_new = torch.minimum(accepted + 1, budgets)
+                num_new, stopped = _stop_lengths(stopping_criteria, sequences, active, lengths, choices, num_new, eos_token_id)
+                if generator.draft_length_policy is not None:  # `_stop_lengths` synced: the step's time is known
+                    generator.draft_length_policy.record(width, time.perf_counter() - step_start)
+                if align_rows:
+                    num_new = _align_continuing_rows(num_new, stopped, budgets.tolist())
+                # 4. commit, then keep the slots that hold a verified token for at least one continuing row
+                keep = commit(active, choices, num_new, stopped, raw, processed)
+                if not keep:
+                    break
+                kept_slots = max(num_new[i] for i in keep)  # anchor + accepted drafts of the longest continuing row
+                if width > kept_slots:
+                    cache.crop(-(width - kept_slots))
+                if context_mask is not None or min(num_new) < kept_slots:  # some row left holes: track them
+                    num_kept = torch.tensor(num_new, device=device).clamp(max=kept_slots)
+                    verified = torch.arange(kept_slots, device=device)[None] < num_kept[:, None]
+                    if context_mask is None:
+                        total = cache.get_seq_length()
+                        context_mask = torch.ones(rows, total - kept_slots, dtype=torch.long, device=device)
+                    else:
+                        context_mask = context_mask[:, : context_mask.shape[1] - width]
+                    context_mask = torch.cat([context_mask, verified.long()], dim=1)
+                context = generator.captured_features()[:, :kept_slots]
+                context_positions = block_positions[:, :kept_slots]
+                index = torch.tensor(num_new, device=device) - 1
+                anchor = choices.gather(1, index[:, None])[:, 0]
+                next_position = next_position + index + 1
+        finally:
+            generator.close()
     if streamer is not None:
         streamer.end()
 

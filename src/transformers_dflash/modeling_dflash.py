@@ -295,6 +295,9 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         # Adaptive draft length: None (verify the whole block), a confidence threshold, or "auto" (see
         # `DraftLengthPolicy`). A run-time setting, not saved with the checkpoint.
         self.draft_length: float | str | None = None
+        # Verify (and draft) through `generation_dflash.skinny_linear` on CPUs: the transposed product is much faster
+        # for the few rows of a verification forward. A run-time setting, not saved with the checkpoint.
+        self.fast_cpu_linears: bool = True
         self.model_tags = ["dflash", "speculative-decoding"]  # per instance: transformers appends to it in place
         self.post_init()
 
