@@ -314,3 +314,45 @@ def test_cli_batch_mode(tmp_path, capsys):
     with pytest.raises(SystemExit, match="--batch-sizes"):
         bad = build_parser().parse_args(["bench", "--quick", "--threads", "1", "--batch-sizes", "0,x"])
         bad._dflash_run(bad)
+
+
+def test_kernel_attribution_methods_match_plain_generate():
+    """baseline_skinny / prompt_lookup_skinny / dflash_stock_linears: the same tokens, other linear kernels."""
+    target = make_target("qwen3", dtype=torch.float32)
+    drafter = make_drafter(target, num_layers=1, block_size=4)
+    prompts = [random_prompt(8, seed=s)[0].tolist() for s in (0, 1)]
+    names = ("baseline", "baseline_skinny", "prompt_lookup_skinny", "dflash_stock_linears")
+    report = bench.run_benchmark(
+        target, drafter, datasets={"tiny": prompts}, methods=names, temperatures=(0.0,), max_new_tokens=10,
+        progress=False, drafter_trained=False,
+    )
+    assert not report["mismatches"]
+    assert {r["method"] for r in report["summary"]} == set(names)
+    assert drafter.fast_cpu_linears is True  # restored after dflash_stock_linears
+    assert not any("forward" in m.__dict__ for m in target.modules())  # skinny_linears handed the kernels back
+
+    batch_prompts = [torch.tensor(p) for p in prompts]
+    rows = bench.run_batch_benchmark(
+        target, drafter, batch_prompts, batch_sizes=(3,), max_new_tokens=8, warmup=0, progress=False,
+        methods=["dflash_stock_linears", "baseline_skinny"],
+    )
+    assert [r["method"] for r in rows] == ["baseline", "dflash_stock_linears", "baseline_skinny"]
+    assert all(r["rows_equal"] for r in rows) and rows[2]["tau"] == 1.0
+    assert drafter.fast_cpu_linears is True
+    with pytest.raises(ValueError, match="builtin_dflash"):
+        bench.run_batch_benchmark(target, drafter, batch_prompts, batch_sizes=(1,), methods=["builtin_dflash"],
+                                  progress=False)
+
+
+def test_linear_kernel_benchmark_and_report():
+    target = make_target("llama", dtype=torch.float32)
+    rows = bench.run_linear_benchmark(target, (1, 3), repeats=1, warmup=0)
+    assert [r["rows"] for r in rows] == [1, 3]
+    assert rows[0]["linear_vs_one_row"] == 1.0
+    for r in rows:
+        assert r["linear_ms"] > 0 and r["skinny_ms"] > 0
+        assert r["skinny_over_linear"] == pytest.approx(r["skinny_ms"] / r["linear_ms"])
+    markdown = bench.format_linear_markdown(rows)
+    assert "| 3 |" in markdown and "skinny_linear" in markdown
+    with pytest.raises(ValueError, match="no nn.Linear"):
+        bench.run_linear_benchmark(torch.nn.ReLU())

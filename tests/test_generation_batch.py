@@ -128,5 +128,12 @@ def test_draft_length_policy_rules():
     assert cpu.num_to_verify(confidence) == 4  # row 0: 1 + .9 + .81 + .41 + .36 = 3.5 tokens in 1.7 s > 1 in 1.0
     doubtful = torch.tensor([[0.3, 0.3, 0.3, 0.3]])
     assert cpu.num_to_verify(doubtful) == 0  # 1.43 tokens in 1.7 s < 1 token in 1.0 s: a plain step
+    # A batch shares the forward: one confident row does not make the doubtful rows' drafts worth verifying.
+    batch = DraftLengthPolicy(auto=True)
+    for width, seconds in ((5, 2.5), (3, 2.5), (1, 1.0)):
+        batch.record(width, seconds)
+    rows = torch.tensor([[0.99] * 4, [0.01] * 4, [0.01] * 4])
+    assert batch.num_to_verify(rows[:1]) == 4  # alone: 4.9 tokens in 2.5 s > 1 token in 1 s
+    assert batch.num_to_verify(rows) == 0  # together: 6.9 tokens in 2.5 s < 3 tokens in 1 s
     with pytest.raises(ValueError, match="draft_length"):
         DraftLengthPolicy.from_setting(1.5)

@@ -7,7 +7,7 @@ Importing the package registers the `dflash` model type with the Auto classes an
 from transformers import AutoConfig, AutoModel
 
 from .configuration_dflash import DFlashConfig
-from .generation_dflash import DFlashCandidateGenerator, DFlashDrafterCache, dflash_decoding
+from .generation_dflash import DFlashCandidateGenerator, DFlashDrafterCache, dflash_decoding, skinny_linear, skinny_linears
 from .modeling_dflash import DFlashDraftModel
 
 __version__ = "0.1.0"
@@ -21,4 +21,6 @@ __all__ = [
     "DFlashDraftModel",
     "DFlashDrafterCache",
     "dflash_decoding",
+    "skinny_linear",
+    "skinny_linears",
 ]

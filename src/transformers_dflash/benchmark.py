@@ -1283,6 +1283,77 @@ def format_batch_markdown(rows: Sequence[Mapping[str, Any]], header: str = "") -
     return "\n".join(lines)
 
 
+def run_linear_benchmark(model, row_counts: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128), repeats: int = 5,
+                         warmup: int = 1) -> list[dict]:
+    """Time one pass over every `nn.Linear` weight of `model` (a forward's matrix products, in order) with
+    `F.linear` and with `generation_dflash.skinny_linear`, for inputs of each row count.
+
+    The two kernels alternate pass by pass, so machine noise hits both alike. The weights are read from memory as in a
+    real forward (a model's weights do not fit in the CPU caches). Returns one row per row count: milliseconds per
+    pass for each kernel, their ratio, and each kernel's cost relative to `F.linear` on one row.
+    """
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    from .generation_dflash import skinny_linear
+
+    weights = [(m.weight, m.bias) for m in model.modules() if isinstance(m, nn.Linear)]
+    if not weights:
+        raise ValueError(f"{type(model).__name__} has no nn.Linear layers to time.")
+    device = weights[0][0].device
+    rows = []
+    with torch.inference_mode():
+        inputs = {(n, w.shape[1]): torch.randn(n, w.shape[1], dtype=w.dtype, device=device)
+                  for n in row_counts for w, _ in weights}
+
+        def one_pass(kernel, n):
+            _synchronize(device)
+            start = time.perf_counter()
+            for weight, bias in weights:
+                kernel(inputs[n, weight.shape[1]], weight, bias)
+            _synchronize(device)
+            return time.perf_counter() - start
+
+        for n in row_counts:
+            for _ in range(warmup):
+                one_pass(F.linear, n), one_pass(skinny_linear, n)
+            stock = skinny = 0.0
+            for _ in range(repeats):
+                stock += one_pass(F.linear, n)
+                skinny += one_pass(skinny_linear, n)
+            rows.append({"rows": n, "linear_ms": stock / repeats * 1e3, "skinny_ms": skinny / repeats * 1e3})
+    one_row = rows[0]["linear_ms"] if rows and rows[0]["rows"] == 1 else math.nan
+    for row in rows:
+        row["skinny_over_linear"] = row["skinny_ms"] / row["linear_ms"]
+        row["linear_vs_one_row"] = row["linear_ms"] / one_row
+        row["skinny_vs_one_row"] = row["skinny_ms"] / one_row
+    return rows
+
+
+def format_linear_markdown(rows: Sequence[Mapping[str, Any]], header: str = "") -> str:
+    lines = ["## Linear kernels: one pass over the model's nn.Linear weights", ""]
+    if header:
+        lines += [header, ""]
+    lines += [
+        "| rows | F.linear (ms) | skinny_linear (ms) | skinny / F.linear | F.linear vs 1 row | skinny vs 1-row F.linear |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['rows']} | {r['linear_ms']:.1f} | {r['skinny_ms']:.1f} | {_fmt(r['skinny_over_linear'], '.2f')} | "
+            f"{_fmt(r['linear_vs_one_row'], '.2f')}x | {_fmt(r['skinny_vs_one_row'], '.2f')}x |"
+        )
+    lines += [
+        "",
+        "rows: tokens x batch rows of a forward (a verification step of width w at batch b has w*b rows). skinny_linear "
+        "takes F.linear below 2 and above 256 rows and for other dtypes/devices, so those rows time the same kernel "
+        "twice.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
 # ======================================================================================================================
 # Environment, output files
 # ======================================================================================================================
@@ -1627,6 +1698,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "nothing)",
     )
     parser.add_argument(
+        "--linear-kernels", default=None, metavar="ROWS",
+        help="comma-separated row counts, e.g. 1,2,4,8,16,32,64,128: instead of decoding, time one pass over the "
+        "target's nn.Linear weights with F.linear and with skinny_linear (the CPU verification kernel) at these row "
+        "counts (writes <name>-linear.json/.md)",
+    )
+    parser.add_argument(
         "--batch-sizes", default=None,
         help="comma-separated, e.g. 1,4,8,16: instead of the per-prompt comparison, measure batched throughput (greedy) "
         "of plain generate() vs DFlash at these batch sizes (writes <name>-batch.json/.md)",
@@ -1771,6 +1848,8 @@ def run_bench(args: argparse.Namespace) -> int:
     if not trained:
         print(f"\nNOTE: {UNTRAINED_NOTE}\n      A trained SmolLM2 drafter is expected at {SHIPPED_DRAFTER}.\n",
               file=sys.stderr)
+    if args.linear_kernels:
+        return _run_linear_command(args, target, target_name, dtype_name, device)
     if args.batch_sizes:
         return _run_batch_command(args, target, drafter, tokenizer, datasets, adaptive_setting, description,
                                   target_name, dtype_name, device)
@@ -1805,6 +1884,35 @@ def run_bench(args: argparse.Namespace) -> int:
     paths = write_report(report, args.output_dir, args.name)
     print(format_markdown(report))
     print("Wrote " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)
+    return 0
+
+
+def _run_linear_command(args, target, target_name, dtype_name, device) -> int:
+    """`dflash bench --linear-kernels ...`: the matrix-product cost of a forward per row count, per kernel."""
+    try:
+        row_counts = [int(n) for n in args.linear_kernels.split(",") if n.strip()]
+    except ValueError:
+        row_counts = []
+    if not row_counts or min(row_counts) < 1:
+        raise SystemExit(f"dflash bench: --linear-kernels must be positive row counts like 1,2,4,8, got "
+                         f"{args.linear_kernels!r}.")
+    rows = run_linear_benchmark(target, row_counts, repeats=max(args.repeats, 5), warmup=max(args.warmup, 1))
+    env = environment(device)
+    header = (
+        f"- command: `{env.get('command', '')}`\n- model: {target_name}; dtype {dtype_name}; {env.get('device')} "
+        f"({env.get('gpu') or env.get('cpu')}), {env.get('torch_threads')} torch thread(s)\n"
+        f"- torch {env.get('torch')}, transformers {env.get('transformers')}, commit "
+        f"{str((env.get('git') or {}).get('commit'))[:10]}"
+    )
+    markdown = format_linear_markdown(rows, header)
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"settings": {"row_counts": row_counts, "target": target_name, "dtype": dtype_name}, "environment": env,
+              "rows": rows}
+    (out / f"{args.name}-linear.json").write_text(json.dumps(_json_safe(report), indent=1) + "\n", encoding="utf-8")
+    (out / f"{args.name}-linear.md").write_text(markdown, encoding="utf-8")
+    print(markdown)
+    print(f"Wrote {out / (args.name + '-linear.json')}, {out / (args.name + '-linear.md')}", file=sys.stderr)
     return 0
 
 
