@@ -8,10 +8,12 @@ threads=${THREADS:-2}
 # *_skinny and dflash_stock_linears attribute the speed to kernels: plain generate() and prompt lookup with the linear
 # kernels DFlash verifies with, and DFlash with stock nn.Linear kernels.
 # Held-out prompts, greedy, 256 new tokens: tau, speedup, ours vs the built-in path and prompt lookup.
-dflash bench --dataset mtbench --dataset humaneval --num-prompts "${NUM_PROMPTS:-3}" --max-new-tokens 256 \
+dflash bench --dataset mtbench --dataset humaneval --num-prompts "${NUM_PROMPTS:-3}" --max-new-tokens 256 --profile \
   --temperatures 0 --threads "$threads" \
   --methods baseline,dflash,dflash_adaptive,builtin_dflash,prompt_lookup,dflash_stock_linears,baseline_skinny,prompt_lookup_skinny \
   --output-dir "$out" --name cpu-smollm2-trained
 # Batched throughput at batch 1, 4, 8, 16 (MT-Bench prompts, cycled), greedy, 64 new tokens.
 dflash bench --dataset mtbench --num-prompts 16 --max-new-tokens 64 --threads "$threads" \
   --methods baseline,dflash,dflash_adaptive,baseline_skinny,dflash_stock_linears --batch-sizes 1,4,8,16 --output-dir "$out" --name cpu-smollm2-trained
+# The linear kernels alone: one pass over SmolLM2's nn.Linear weights per row count, F.linear vs skinny_linear.
+dflash bench --linear-kernels 1,2,4,8,16,32,64,128,256 --threads "$threads" --output-dir "$out" --name cpu-smollm2

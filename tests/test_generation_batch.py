@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from conftest import PAD, VOCAB, make_drafter, make_target
+from conftest import PAD, VOCAB, make_drafter, make_target, random_prompt
 
 
 def _left_pad(prompts):
@@ -135,5 +135,52 @@ def test_draft_length_policy_rules():
     rows = torch.tensor([[0.99] * 4, [0.01] * 4, [0.01] * 4])
     assert batch.num_to_verify(rows[:1]) == 4  # alone: 4.9 tokens in 2.5 s > 1 token in 1 s
     assert batch.num_to_verify(rows) == 0  # together: 6.9 tokens in 2.5 s < 3 tokens in 1 s
+    # With the draft's cost (0.5 s) paid, verifying is worth it (6.9 tokens in 3 s > 3 in 1.5 s), but the drafted step
+    # (2.3 tokens/s) still loses to plain steps (3 tokens/s): skip the drafter, asking it again after 1, 2, 4 ...
+    # skipped steps; as soon as drafting wins, draft every step again.
+    batch.record(1, 1.0, draft_seconds=0.5)
+    assert batch.num_to_verify(rows) == 4
+    pattern = [batch.wants_draft() for _ in range(1 + 1 + 2 + 1)]
+    assert pattern == [False, True, False, False, True]
+    assert batch.num_to_verify(rows[:1]) == 4  # a confident batch: 4.9 tokens in 3 s > 1 token in 1 s
+    assert all(batch.wants_draft() for _ in range(3))
+    assert all(DraftLengthPolicy(threshold=0.5).wants_draft() for _ in range(3))  # only "auto" skips
     with pytest.raises(ValueError, match="draft_length"):
         DraftLengthPolicy.from_setting(1.5)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_skipped_drafts_keep_the_drafters_context(batch, monkeypatch):
+    """When "auto" skips the drafter, the skipped steps' target features still reach its next context: the drafts
+    it then proposes equal those of a run that drafted every step (float64, so only rounding could differ)."""
+    from transformers_dflash.generation_dflash import DFlashCandidateGenerator, DraftLengthPolicy
+
+    target = make_target("qwen3", dtype=torch.float64, eos_token_id=None)
+    drafter = make_drafter(target, block_size=4, seed=7)
+    prompts = [random_prompt(5 + 4 * i, seed=i)[0] for i in range(batch)]
+    width = max(len(p) for p in prompts)
+    input_ids = torch.stack([torch.cat([torch.full((width - len(p),), PAD), p]) for p in prompts])
+    attention_mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=20, do_sample=False, pad_token_id=PAD)
+    expected = target.generate(input_ids, **kwargs)
+
+    original_draft = DFlashCandidateGenerator.draft
+    recorded = {}
+
+    def recording_draft(generator, anchor_ids, anchor_position_ids, *args, **kw):
+        drafts = original_draft(generator, anchor_ids, anchor_position_ids, *args, **kw)
+        for row, position in enumerate(anchor_position_ids.tolist()):
+            recorded[(row, position)] = drafts[row].tolist()
+        return drafts
+
+    monkeypatch.setattr(DFlashCandidateGenerator, "draft", recording_draft)
+    drafter.draft_length = 0.0  # a policy that verifies every draft...
+    assert torch.equal(target.generate(input_ids, assistant_model=drafter, **kwargs), expected)
+    every_step, recorded = recorded, {}
+    calls = iter(range(1000))
+    monkeypatch.setattr(DraftLengthPolicy, "wants_draft", lambda self: next(calls) % 3 == 0)  # ...skips 2 of 3
+    assert torch.equal(target.generate(input_ids, assistant_model=drafter, **kwargs), expected)
+    drafter.draft_length = None
+    common = set(recorded) & set(every_step)
+    assert len(recorded) >= 3 * batch and len(common) >= 2 * batch  # drafts after skipped steps were compared
+    assert all(recorded[key] == every_step[key] for key in common)

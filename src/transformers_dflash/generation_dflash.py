@@ -88,7 +88,7 @@ def skinny_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 class skinny_linears:
     """Context manager: the plain `nn.Linear` layers of `models` compute through `skinny_linear` inside the block.
 
-    `dflash_decoding` uses it around its loop (on by default; `drafter.skinny_linears = False` turns it off); use it
+    `dflash_decoding` uses it around its loop (on by default; `drafter.fast_cpu_linears = False` turns it off); use it
     around any other CPU generation to give it the same kernels, e.g. `with skinny_linears(target): target.generate(...)`.
     Only exact `nn.Linear` instances are touched: subclasses (quantized or LoRA layers) and modules whose `forward`
     is already replaced on the instance (accelerate's device hooks, another active `skinny_linears`) keep theirs.
@@ -245,11 +245,15 @@ class DraftLengthPolicy:
     - a float threshold `t`: verify drafts while the cumulative drafter confidence (the product of the drafter's
       probabilities of its own proposals) stays >= t;
     - `"auto"`: pick the length k (0 = verify no draft: a plain decoding step) that maximises expected tokens per
-      second, `(1 + sum_{j<=k} P_j) / cost(k + 1)`, with `P_j` the cumulative confidence and `cost(w)` the measured
-      time of a step that verifies w tokens in this generate() call (draft included): the mean of the steps of that
-      width, else a least-squares line through all steps. The first steps explore the full block, half of it, and no
-      draft at all. A table rather than a line, because on CPUs one token is much cheaper than two (a matrix-vector
-      product instead of a matrix product) while two to eight cost about the same.
+      second, `(1 + sum_{j<=k} P_j) / (draft + verify(k + 1))`, with `P_j` the cumulative confidence, `draft` the
+      mean measured draft time and `verify(w)` the measured time of verifying w tokens in this generate() call: the
+      mean of the steps of that width, else a least-squares line through all steps. The first steps explore the full
+      block, half of it, and no draft at all. A table rather than a line, because on CPUs one token can be much
+      cheaper than two while two to eight cost about the same.
+      When drafting loses even so (the expected rate of the last drafted step is below a plain step's, e.g. at a
+      large batch with doubtful drafts), the next steps skip the drafter altogether; it is asked again after 1, 2,
+      4, ... 16 skipped steps, and drafting resumes as soon as it wins. Skipped steps keep their target features for
+      the drafter's next context, so skipping costs no accuracy.
 
     Rows of a batch share one verification forward: with a threshold the widest row's choice wins; `"auto"` picks the
     length that maximises the expected tokens per second of the whole batch (the sum over rows).
@@ -257,7 +261,10 @@ class DraftLengthPolicy:
 
     def __init__(self, threshold: float | None = None, auto: bool = False):
         self.threshold, self.auto = threshold, auto
-        self.samples: list[tuple[int, float]] = []  # (verified width, seconds of the step)
+        self.samples: list[tuple[int, float]] = []  # (verified width, seconds of the verification and commit)
+        self.draft_seconds: list[float] = []  # seconds of each draft
+        self.draft_rate: float | None = None  # expected tokens/s per row of the last drafted step, as chosen
+        self.skipped, self.backoff = 0, 1
 
     @classmethod
     def from_setting(cls, setting):
@@ -272,8 +279,25 @@ class DraftLengthPolicy:
             "[0, 1], or 'auto'."
         )
 
-    def record(self, width: int, seconds: float):
+    def record(self, width: int, seconds: float, draft_seconds: float | None = None):
+        """A step verified `width` tokens in `seconds`, after a draft of `draft_seconds` (None: no draft)."""
         self.samples.append((width, seconds))
+        if draft_seconds is not None:
+            self.draft_seconds.append(draft_seconds)
+
+    def wants_draft(self) -> bool:
+        """Whether to run the drafter this step (always, except in "auto" mode while drafting loses to plain steps)."""
+        if not self.auto or self.draft_rate is None:
+            return True
+        plain_cost = self.step_costs(1)[0]
+        if self.draft_rate >= 1.0 / plain_cost:
+            self.skipped, self.backoff = 0, 1
+            return True
+        if self.skipped < self.backoff:
+            self.skipped += 1
+            return False
+        self.skipped, self.backoff = 0, min(2 * self.backoff, 16)  # ask the drafter again; wait longer if it loses
+        return True
 
     def _cost_line(self):
         widths = {w for w, _ in self.samples}
@@ -320,11 +344,15 @@ class DraftLengthPolicy:
             return num_draft if not self.samples else max(1, num_draft // 2)
         if 1 not in widths:  # ... then no draft at all
             return 0
-        costs = torch.tensor(self.step_costs(num_draft + 1), dtype=torch.float32, device=confidence.device)
+        draft = sum(self.draft_seconds) / len(self.draft_seconds) if self.draft_seconds else 0.0
+        costs = [draft + c for c in self.step_costs(num_draft + 1)]
+        costs = torch.tensor(costs, dtype=torch.float32, device=confidence.device)
         gained = 1 + torch.cat([cumulative.new_zeros(cumulative.shape[0], 1), cumulative.cumsum(dim=1)], dim=1)
         # Rows share one forward: maximise the whole batch's expected tokens per second, not the greediest row's.
         rate = gained.float().sum(dim=0) / costs
-        return int(rate.argmax())
+        best = int(rate.argmax())
+        self.draft_rate = float(rate[best]) / confidence.shape[0]
+        return best
 
 
 class DFlashCandidateGenerator(CandidateGenerator):
@@ -685,7 +713,8 @@ def dflash_decoding(
 
     # Verification multiplies every weight by a few rows: on CPUs the transposed product is much faster
     # (`skinny_linear`); elsewhere the context changes nothing.
-    kernels = skinny_linears(target, drafter) if getattr(drafter, "fast_cpu_linears", True) else contextlib.nullcontext()
+    fast = getattr(drafter, "fast_cpu_linears", True)
+    kernels = skinny_linears(target, drafter) if fast else contextlib.nullcontext()
     with kernels:
         try:
             # Prefill: the whole prompt through the target; the hooks keep the drafter's context features.
@@ -724,14 +753,17 @@ def dflash_decoding(
                 budget = max(prompt_len + max_new_tokens - lengths[r] for r in active)
                 num_draft = min(block_size - 1, budget - 1)
 
-                # 1. draft (optionally keep only the drafts worth verifying)
+                # 1. draft (optionally keep only the drafts worth verifying, or skip the drafter when it does not pay)
+                policy = generator.draft_length_policy
                 step_start = time.perf_counter()
-                if num_draft > 0:
+                drafted = num_draft > 0 and (policy is None or policy.wants_draft())
+                if drafted:
                     drafts = generator.draft(anchor, next_position, context, context_positions, context_mask, num_draft)
                     if generator.last_confidence is not None:
-                        drafts = drafts[:, : generator.draft_length_policy.num_to_verify(generator.last_confidence)]
+                        drafts = drafts[:, : policy.num_to_verify(generator.last_confidence)]  # synchronises
                 else:
                     drafts = anchor.new_empty(rows, 0)
+                verify_start = time.perf_counter()
                 # 2. verify [anchor, drafts] in one target forward
                 candidates = torch.cat([anchor[:, None], drafts], dim=1)
                 width = candidates.shape[1]
@@ -746,8 +778,9 @@ def dflash_decoding(
                 budgets = torch.tensor([prompt_len + max_new_tokens - lengths[r] for r in active], device=device)
                 num_new = torch.minimum(accepted + 1, budgets)
                 num_new, stopped = _stop_lengths(stopping_criteria, sequences, active, lengths, choices, num_new, eos_token_id)
-                if generator.draft_length_policy is not None:  # `_stop_lengths` synced: the step's time is known
-                    generator.draft_length_policy.record(width, time.perf_counter() - step_start)
+                if policy is not None:  # `_stop_lengths` synced: the step's time is known
+                    draft_seconds = verify_start - step_start if drafted else None
+                    policy.record(width, time.perf_counter() - verify_start, draft_seconds)
                 if align_rows:
                     num_new = _align_continuing_rows(num_new, stopped, budgets.tolist())
                 # 4. commit, then keep the slots that hold a verified token for at least one continuing row
@@ -766,8 +799,14 @@ def dflash_decoding(
                     else:
                         context_mask = context_mask[:, : context_mask.shape[1] - width]
                     context_mask = torch.cat([context_mask, verified.long()], dim=1)
-                context = generator.captured_features()[:, :kept_slots]
-                context_positions = block_positions[:, :kept_slots]
+                # The drafter's next context: the features of the slots verified since its last draft.
+                new_context = generator.captured_features()[:, :kept_slots]
+                new_positions = block_positions[:, :kept_slots]
+                if drafted:
+                    context, context_positions = new_context, new_positions
+                else:
+                    context = torch.cat([context, new_context], dim=1)
+                    context_positions = torch.cat([context_positions, new_positions], dim=1)
                 index = torch.tensor(num_new, device=device) - 1
                 anchor = choices.gather(1, index[:, None])[:, 0]
                 next_position = next_position + index + 1
