@@ -17,3 +17,7 @@ dflash bench --dataset mtbench --num-prompts 16 --max-new-tokens 64 --threads "$
   --methods baseline,dflash,dflash_adaptive,baseline_skinny,dflash_stock_linears --batch-sizes 1,4,8,16 --output-dir "$out" --name cpu-smollm2-trained
 # The linear kernels alone: one pass over SmolLM2's nn.Linear weights per row count, F.linear vs skinny_linear.
 dflash bench --linear-kernels 1,2,4,8,16,32,64,128,256 --threads "$threads" --output-dir "$out" --name cpu-smollm2
+# DFlash plus copied drafts (drafter.ngram_lookup = 2) against DFlash alone and prompt lookup.
+dflash bench --dataset mtbench --dataset humaneval --num-prompts "${NUM_PROMPTS:-3}" --max-new-tokens 256 \
+  --temperatures 0 --threads "$threads" --methods baseline,dflash_adaptive,dflash_lookup,prompt_lookup \
+  --output-dir "$out" --name cpu-smollm2-trained-lookup

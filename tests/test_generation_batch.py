@@ -184,3 +184,53 @@ def test_skipped_drafts_keep_the_drafters_context(batch, monkeypatch):
     common = set(recorded) & set(every_step)
     assert len(recorded) >= 3 * batch and len(common) >= 2 * batch  # drafts after skipped steps were compared
     assert all(recorded[key] == every_step[key] for key in common)
+
+
+def _repetitive_prompt(batch, length=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    motif = torch.randint(3, VOCAB, (batch, 5), generator=g)
+    return motif.repeat(1, length // 5 + 1)[:, :length]
+
+
+@pytest.mark.parametrize("draft_length", [None, 0.3, "auto"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_ngram_lookup_is_lossless_and_accepted(draft_length, batch):
+    """Copied drafts (drafter.ngram_lookup) are verified like any other: the output stays plain generate()'s, and
+    on a repetitive sequence with an untrained drafter they are what gets accepted."""
+    target = make_target("llama", dtype=torch.float32, eos_token_id=None)
+    drafter = make_drafter(target, block_size=6)
+    prompt = _repetitive_prompt(batch)
+    attention_mask = torch.ones_like(prompt)
+    attention_mask[1:, :3] = 0  # ragged rows (left padding)
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=30, do_sample=False, pad_token_id=PAD)
+    expected = target.generate(prompt, **kwargs)
+    drafter.draft_length = draft_length
+    accepted = {}
+    for lookup in (None, 2):
+        drafter.ngram_lookup = lookup
+        assert torch.equal(target.generate(prompt, assistant_model=drafter, **kwargs), expected)
+        rows = drafter.last_acceptance_lengths if batch > 1 else [drafter.last_acceptance_lengths]
+        accepted[lookup] = sum(sum(row) - len(row) for row in rows)  # accepted drafts, all rows
+    drafter.ngram_lookup, drafter.draft_length = None, None
+    if draft_length != "auto":  # "auto" may rightly decline to verify on a machine where width costs
+        assert accepted[2] > accepted[None]
+
+
+def test_ngram_lookup_continuation_and_bad_setting():
+    from transformers_dflash.generation_dflash import NgramLookup
+
+    lookup = NgramLookup(2, block_size=4)
+    tokens = torch.tensor([5, 6, 7, 8, 5, 6, 9, 5, 6])
+    assert lookup._continuation(tokens, 3).tolist() == [9, 5, 6]  # the most recent earlier "5 6" was followed by 9
+    assert lookup._continuation(torch.tensor([1, 2, 3, 4]), 3) is None
+    assert lookup._continuation(torch.tensor([4, 1, 2, 9, 2]), 3).tolist() == [9, 2]  # falls back to 1-gram "2"
+    drafts, confidence = lookup.merge(torch.stack([tokens, tokens]), [1], [9, 9], torch.zeros(1, 0, dtype=torch.long),
+                                      None, 3)
+    assert drafts.tolist() == [[9, 5, 6]] and confidence.tolist() == [[0.5, 0.5, 0.5]]
+    lookup.record([1], 3)  # first copy accepted, second rejected
+    assert lookup.hits[:3] == [1, 0, 0] and lookup.tries[:3] == [1, 1, 0]
+    target = make_target("llama", dtype=torch.float32, eos_token_id=None)
+    drafter = make_drafter(target)
+    drafter.ngram_lookup = 0.5
+    with pytest.raises(ValueError, match="ngram_lookup"):
+        target.generate(random_prompt(5, seed=0), assistant_model=drafter, max_new_tokens=4)

@@ -48,11 +48,14 @@ from typing import Any
 
 DEFAULT_METHODS = ("baseline", "dflash", "dflash_adaptive", "builtin_dflash", "prompt_lookup")
 # The *_skinny / dflash_stock_linears methods attribute speed to kernels: every method with the same linear kernels.
-OPTIONAL_METHODS = ("early_exit", "assistant", "baseline_skinny", "prompt_lookup_skinny", "dflash_stock_linears")
+OPTIONAL_METHODS = (
+    "dflash_lookup", "early_exit", "assistant", "baseline_skinny", "prompt_lookup_skinny", "dflash_stock_linears"
+)
 METHOD_LABELS = {
     "baseline": "plain generate()",
     "dflash": "DFlash (transformers-dflash)",
     "dflash_adaptive": "DFlash, adaptive draft length (transformers-dflash)",
+    "dflash_lookup": "DFlash + n-gram lookup, adaptive draft length (transformers-dflash)",
     "builtin_dflash": "DFlash (transformers built-in)",
     "prompt_lookup": "prompt lookup",
     "early_exit": "early-exit self-speculation",
@@ -482,6 +485,20 @@ def fast_cpu_linears(drafter, enabled: bool):
             drafter.fast_cpu_linears = previous
 
 
+@contextlib.contextmanager
+def ngram_lookup(drafter, size):
+    """Temporarily set `drafter.ngram_lookup` (None: off)."""
+    if size is None:
+        yield drafter
+        return
+    previous = drafter.ngram_lookup
+    drafter.ngram_lookup = size
+    try:
+        yield drafter
+    finally:
+        drafter.ngram_lookup = previous
+
+
 def _with_skinny_linears(target, generate: Callable) -> Callable:
     """`generate` with the target's linear layers computed by `skinny_linear` (what DFlash decoding uses on CPUs)."""
 
@@ -519,9 +536,9 @@ def build_methods(
     """The requested methods that can run here, and `{name: reason}` for those that cannot."""
     methods, skipped = [], {}
 
-    def dflash_generate(setting, fast_linears=True):
+    def dflash_generate(setting, fast_linears=True, lookup=None):
         def generate(ids, kw):
-            with draft_length(drafter, setting), fast_cpu_linears(drafter, fast_linears):
+            with draft_length(drafter, setting), fast_cpu_linears(drafter, fast_linears), ngram_lookup(drafter, lookup):
                 out = target.generate(ids, assistant_model=drafter, **kw)
             return out, list(drafter.last_acceptance_lengths)
 
@@ -544,6 +561,16 @@ def build_methods(
         elif name == "prompt_lookup_skinny":
             extra, note = prompt_lookup_extra()
             methods.append(Method(name, METHOD_LABELS[name], _with_skinny_linears(target, _assisted(target, extra)), note))
+        elif name == "dflash_lookup":
+            if drafter is None or not hasattr(drafter, "ngram_lookup"):
+                skipped[name] = "no drafter given" if drafter is None else "this drafter's code has no ngram_lookup"
+                continue
+            setting = adaptive_draft_length or "auto"
+            methods.append(
+                Method(name, METHOD_LABELS[name], dflash_generate(setting, lookup=max_matching_ngram_size or 2),
+                       f"block {drafter.config.block_size}, draft_length={setting!r}, "
+                       f"ngram_lookup={max_matching_ngram_size or 2}")
+            )
         elif name == "dflash_stock_linears":
             if drafter is None:
                 skipped[name] = "no drafter given"
@@ -621,7 +648,9 @@ def build_methods(
 
 
 def _num_target_layers(target) -> int:
-    config = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    from .generation_dflash import text_config
+
+    config = text_config(target.config)
     return int(config.num_hidden_layers)
 
 
@@ -1086,7 +1115,7 @@ def run_benchmark(
         "comparisons": [
             {"method": ours, "other": other, "rows": relative_rate(rows, ours, other)}
             for other in ("builtin_dflash", "prompt_lookup")
-            for ours in ("dflash", "dflash_adaptive")
+            for ours in ("dflash", "dflash_adaptive", "dflash_lookup")
             if relative_rate(rows, ours, other)
         ],
         "draft_check": draft_check,

@@ -57,6 +57,11 @@ _SCORE_ONLY_PROCESSORS = {
 }
 
 
+def text_config(config):
+    """The language-model part of a config (multimodal models nest it; plain LMs return themselves)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 # Row counts for which `skinny_linear` takes the transposed product (measured faster, see `skinny_linear`).
 _SKINNY_ROWS = (2, 256)
 
@@ -134,7 +139,7 @@ def check_drafter_fits_target(drafter: nn.Module, target: nn.Module) -> None:
     A drafter on another device or in another dtype than the target is fine: `DFlashCandidateGenerator` moves the
     small per-step tensors across (a float32 drafter next to a bfloat16 target is a common training set-up)."""
     config = drafter.config
-    target_config = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    target_config = text_config(target.config)
     if getattr(target.config, "is_encoder_decoder", False):
         raise ValueError("DFlash drafters need a decoder-only target; this target is an encoder-decoder model.")
     if getattr(target, "_is_stateful", False):
@@ -333,8 +338,9 @@ class DraftLengthPolicy:
                 costs.append(max(intercept + slope * w, 1e-9))
         return costs
 
-    def num_to_verify(self, confidence: torch.Tensor) -> int:
-        """Drafts to verify, from per-row confidences `[rows, num_draft]`."""
+    def num_to_verify(self, confidence: torch.Tensor, paid_draft: bool = True) -> int:
+        """Drafts to verify, from per-row confidences `[rows, num_draft]`. `paid_draft=False`: the drafter did not run
+        this step (only copied drafts, see `NgramLookup`), so its cost and its rate are left out."""
         num_draft = confidence.shape[1]
         cumulative = confidence.cumprod(dim=1)
         if not self.auto:
@@ -344,15 +350,69 @@ class DraftLengthPolicy:
             return num_draft if not self.samples else max(1, num_draft // 2)
         if 1 not in widths:  # ... then no draft at all
             return 0
-        draft = sum(self.draft_seconds) / len(self.draft_seconds) if self.draft_seconds else 0.0
+        draft = sum(self.draft_seconds) / len(self.draft_seconds) if self.draft_seconds and paid_draft else 0.0
         costs = [draft + c for c in self.step_costs(num_draft + 1)]
         costs = torch.tensor(costs, dtype=torch.float32, device=confidence.device)
         gained = 1 + torch.cat([cumulative.new_zeros(cumulative.shape[0], 1), cumulative.cumsum(dim=1)], dim=1)
         # Rows share one forward: maximise the whole batch's expected tokens per second, not the greediest row's.
         rate = gained.float().sum(dim=0) / costs
         best = int(rate.argmax())
-        self.draft_rate = float(rate[best]) / confidence.shape[0]
+        if paid_draft:
+            self.draft_rate = float(rate[best]) / confidence.shape[0]
         return best
+
+
+class NgramLookup:
+    """Drafts copied from the sequence itself (prompt lookup), merged into DFlash's blocks: `drafter.ngram_lookup = n`.
+
+    When a row's last n (then n - 1, ... 1) committed tokens occurred earlier in that row, the tokens that followed
+    their most recent earlier occurrence replace the head of the row's block. Small models often repeat themselves
+    (lists, code, loops), and there such copies are accepted far more often than a weak drafter's guesses. Like any
+    proposal they are verified by the target, so the output is unchanged.
+
+    With `draft_length="auto"` each copied token's confidence is its depth's measured acceptance rate in this call
+    (Laplace-smoothed), so the policy verifies copies as far as they have been paying off; when the drafter is
+    skipped, copies are still proposed (they cost no drafter forward).
+    """
+
+    def __init__(self, max_ngram_size: int, block_size: int):
+        self.max_ngram_size = max_ngram_size
+        self.hits = [0] * block_size  # copies accepted at depth j ...
+        self.tries = [0] * block_size  # ... out of copies verified at depth j with all earlier ones accepted
+        self.copied: list[int] = []  # per row of the last step: tokens copied into the block head
+
+    def _continuation(self, tokens: torch.Tensor, num_draft: int) -> torch.Tensor | None:
+        for n in range(min(self.max_ngram_size, tokens.shape[0] - 1), 0, -1):
+            windows = tokens.unfold(0, n, 1)[:-1]  # every earlier n-gram (the suffix itself excluded)
+            found = (windows == tokens[-n:]).all(dim=1).nonzero()
+            if found.numel():
+                start = int(found[-1]) + n
+                return tokens[start : start + num_draft]
+        return None
+
+    def merge(self, sequences, active, lengths, drafts, confidence, num_draft: int):
+        """Drafts `[rows, num_draft]` (and per-token confidences) with each row's copied continuation at its head."""
+        rows = len(active)
+        if drafts.shape[1] < num_draft:  # the drafter did not run this step: pad, with zero confidence
+            drafts = torch.cat([drafts, drafts.new_zeros(rows, num_draft - drafts.shape[1])], dim=1)
+        confidence = confidence.clone() if confidence is not None else torch.zeros(rows, num_draft)
+        self.copied = [0] * rows
+        for i, r in enumerate(active):
+            copy = self._continuation(sequences[r, : lengths[r]], num_draft)
+            if copy is None:
+                continue
+            n = copy.shape[0]
+            drafts[i, :n] = copy
+            confidence[i, :n] = torch.tensor([(self.hits[j] + 1) / (self.tries[j] + 2) for j in range(n)])
+            self.copied[i] = n
+        return drafts, confidence.to(drafts.device)
+
+    def record(self, accepted: list[int], verified: int):
+        """After verification: `accepted[i]` drafts of row i were accepted, `verified` drafts were checked."""
+        for copied, a in zip(self.copied, accepted):
+            for j in range(min(copied, verified, a + 1)):
+                self.tries[j] += 1
+                self.hits[j] += j < a
 
 
 class DFlashCandidateGenerator(CandidateGenerator):
@@ -389,6 +449,12 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.logits_processor = logits_processor
         self.cache = DFlashDrafterCache(self.config.num_hidden_layers)
         self.draft_length_policy = DraftLengthPolicy.from_setting(getattr(drafter, "draft_length", None))
+        lookup = getattr(drafter, "ngram_lookup", None)
+        if lookup is not None and (isinstance(lookup, bool) or not isinstance(lookup, int) or lookup < 1):
+            raise ValueError(
+                f"drafter.ngram_lookup={lookup!r} is not valid: use None (off) or the longest n-gram to match, e.g. 2."
+            )
+        self.ngram_lookup = NgramLookup(lookup, self.block_size) if lookup else None
         self.last_confidence = None
         drafter_param = next(drafter.parameters())
         self.drafter_device, self.drafter_dtype = drafter_param.device, drafter_param.dtype
@@ -531,8 +597,8 @@ def _new_target_cache(target: nn.Module, model_kwargs: dict, generation_config):
             f"cache_implementation={implementation!r} cannot be cropped after rejected drafts; DFlash decoding needs a "
             "dynamic cache. Remove `cache_implementation` from the generate() call or generation config."
         )
-    text_config = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-    layer_types = set(getattr(text_config, "layer_types", None) or [])
+    lm_config = text_config(target.config)
+    layer_types = set(getattr(lm_config, "layer_types", None) or [])
     if layer_types - {"full_attention", "sliding_attention", "chunked_attention"}:
         raise ValueError(
             f"The target has {sorted(layer_types)} layers; recurrent or linear-attention state cannot be rolled back "
@@ -757,12 +823,18 @@ def dflash_decoding(
                 policy = generator.draft_length_policy
                 step_start = time.perf_counter()
                 drafted = num_draft > 0 and (policy is None or policy.wants_draft())
+                confidence = None
                 if drafted:
                     drafts = generator.draft(anchor, next_position, context, context_positions, context_mask, num_draft)
-                    if generator.last_confidence is not None:
-                        drafts = drafts[:, : policy.num_to_verify(generator.last_confidence)]  # synchronises
+                    confidence = generator.last_confidence
                 else:
                     drafts = anchor.new_empty(rows, 0)
+                lookup = generator.ngram_lookup if num_draft > 0 else None
+                if lookup is not None:
+                    drafts, merged = lookup.merge(sequences, active, lengths, drafts, confidence, num_draft)
+                    confidence = merged if policy is not None else None
+                if confidence is not None:
+                    drafts = drafts[:, : policy.num_to_verify(confidence, paid_draft=drafted)]  # synchronises
                 verify_start = time.perf_counter()
                 # 2. verify [anchor, drafts] in one target forward
                 candidates = torch.cat([anchor[:, None], drafts], dim=1)
@@ -777,6 +849,8 @@ def dflash_decoding(
                 accepted = (drafts == choices[:, :-1]).long().cumprod(dim=1).sum(dim=1)
                 budgets = torch.tensor([prompt_len + max_new_tokens - lengths[r] for r in active], device=device)
                 num_new = torch.minimum(accepted + 1, budgets)
+                if lookup is not None:
+                    lookup.record(accepted.tolist(), drafts.shape[1])
                 num_new, stopped = _stop_lengths(stopping_criteria, sequences, active, lengths, choices, num_new, eos_token_id)
                 if policy is not None:  # `_stop_lengths` synced: the step's time is known
                     draft_seconds = verify_start - step_start if drafted else None
@@ -823,7 +897,7 @@ def dflash_decoding(
 
 
 def _has_sliding_window(target: nn.Module) -> bool:
-    config = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    config = text_config(target.config)
     if getattr(config, "sliding_window", None) is None or getattr(config, "use_sliding_window", True) is False:
         return False
     layer_types = getattr(config, "layer_types", None)

@@ -77,6 +77,7 @@ import torch
 
 from .configuration_dflash import DFlashConfig, decoder_shape_kwargs, rope_parameters_from_config
 from .model_card import CardMetadata, metadata_from_training_dir, write_model_card
+from .generation_dflash import text_config
 from .modeling_dflash import DFlashDraftModel
 
 logger = logging.getLogger(__name__)
@@ -224,7 +225,7 @@ def target_info(target) -> TargetInfo:
         name = getattr(config, "_name_or_path", None) or getattr(target, "name_or_path", None) or None
     if config is None:
         return TargetInfo(name=name)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     return TargetInfo(
         name=name,
         architectures=list(getattr(config, "architectures", None) or []),

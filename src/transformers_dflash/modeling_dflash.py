@@ -35,6 +35,7 @@ from .generation_dflash import (
     dflash_decoding,
     install_generation_hook,
     prepare_generate_kwargs,
+    text_config,
 )
 
 
@@ -298,6 +299,9 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         # Verify (and draft) through `generation_dflash.skinny_linear` on CPUs: the transposed product is much faster
         # for the few rows of a verification forward. A run-time setting, not saved with the checkpoint.
         self.fast_cpu_linears: bool = True
+        # Also copy drafts from the sequence itself when its last n tokens occurred before (`NgramLookup`): None (off)
+        # or the longest n-gram to match. A run-time setting, not saved with the checkpoint.
+        self.ngram_lookup: int | None = None
         self.model_tags = ["dflash", "speculative-decoding"]  # per instance: transformers appends to it in place
         self.post_init()
 
@@ -442,22 +446,22 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         spread of `num_target_features` layers (see `default_target_layer_ids`). `draft_vocab_ids` (optional): the
         target token ids the drafter may propose (a reduced draft vocabulary); default: all of them.
         """
-        text_config = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-        if getattr(text_config, "is_encoder_decoder", False):
+        lm_config = text_config(target.config)
+        if getattr(lm_config, "is_encoder_decoder", False):
             raise ValueError("DFlash drafters need a decoder-only target; got an encoder-decoder model.")
         embeddings = target.get_input_embeddings()
         if embeddings is None or target.get_output_embeddings() is None:
             raise ValueError(
                 f"{type(target).__name__} has no input embeddings or no LM head; pass an *ForCausalLM model."
             )
-        num_target_layers = text_config.num_hidden_layers
+        num_target_layers = lm_config.num_hidden_layers
         vocab_size = embeddings.weight.shape[0]
         if target_layer_ids is None:
             target_layer_ids = default_target_layer_ids(num_target_layers, num_target_features)
         if mask_token_id is None:
             mask_token_id = vocab_size - 1
         config_kwargs = dict(
-            decoder_shape_kwargs(text_config),
+            decoder_shape_kwargs(lm_config),
             vocab_size=vocab_size,  # the embedding table's rows (may be padded past config.vocab_size)
             num_hidden_layers=num_layers,
             block_size=block_size,

@@ -47,6 +47,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .data import list_shards, load_shard
+from .generation_dflash import text_config
 from .modeling_dflash import DFlashDraftModel
 
 CHECKPOINT_PREFIX = "checkpoint-"
@@ -812,8 +813,8 @@ def run_features(args: argparse.Namespace) -> int:
     target = load_target(args.target, torch.bfloat16 if device.type == "cuda" else torch.float32).to(device).eval()
     layer_ids = args.target_layer_ids
     if layer_ids is None:
-        text_config = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-        layer_ids = default_target_layer_ids(text_config.num_hidden_layers, args.num_target_features)
+        lm_config = text_config(target.config)
+        layer_ids = default_target_layer_ids(lm_config.num_hidden_layers, args.num_target_features)
     out = cache_context_features(
         target, args.data, args.out, layer_ids, args.batch_size, args.max_length, getattr(torch, args.dtype)
     )
