@@ -326,7 +326,12 @@ def test_kernel_attribution_methods_match_plain_generate():
         target, drafter, datasets={"tiny": prompts}, methods=names, temperatures=(0.0,), max_new_tokens=10,
         progress=False, drafter_trained=False,
     )
-    assert not report["mismatches"]
+    # transformers 4.x's prompt lookup can return more than max_new_tokens (it overshot by 2 on one of these prompts);
+    # the tokens it shares with plain generate() must still be equal.
+    overshoot = [m for m in report["mismatches"] if m["method"] == "prompt_lookup_skinny"
+                 and m["first_difference"] == m["baseline_new_tokens"] < m["new_tokens"]]
+    assert not overshoot or not BUILTIN  # never on transformers 5, whose prompt lookup stops at max_new_tokens
+    assert [m for m in report["mismatches"] if m not in overshoot] == []
     assert {r["method"] for r in report["summary"]} == set(names)
     assert drafter.fast_cpu_linears is True  # restored after dflash_stock_linears
     assert not any("forward" in m.__dict__ for m in target.modules())  # skinny_linears handed the kernels back
@@ -334,11 +339,11 @@ def test_kernel_attribution_methods_match_plain_generate():
     batch_prompts = [torch.tensor(p) for p in prompts]
     rows = bench.run_batch_benchmark(
         target, drafter, batch_prompts, batch_sizes=(3,), max_new_tokens=8, warmup=0, progress=False,
-        methods=["dflash_stock_linears", "baseline_skinny"],
+        methods=["dflash_stock_linears", "baseline_skinny", "dflash_lookup"],
     )
-    assert [r["method"] for r in rows] == ["baseline", "dflash_stock_linears", "baseline_skinny"]
+    assert [r["method"] for r in rows] == ["baseline", "dflash_stock_linears", "baseline_skinny", "dflash_lookup"]
     assert all(r["rows_equal"] for r in rows) and rows[2]["tau"] == 1.0
-    assert drafter.fast_cpu_linears is True
+    assert drafter.fast_cpu_linears is True and drafter.ngram_lookup is None and drafter.draft_length is None
     with pytest.raises(ValueError, match="builtin_dflash"):
         bench.run_batch_benchmark(target, drafter, batch_prompts, batch_sizes=(1,), methods=["builtin_dflash"],
                                   progress=False)

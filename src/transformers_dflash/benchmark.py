@@ -64,7 +64,7 @@ METHOD_LABELS = {
     "prompt_lookup_skinny": "prompt lookup, skinny linears",
     "dflash_stock_linears": "DFlash (transformers-dflash), stock nn.Linear kernels",
 }
-BATCH_METHODS = ("baseline", "dflash", "dflash_adaptive", "baseline_skinny", "dflash_stock_linears")
+BATCH_METHODS = ("baseline", "dflash", "dflash_adaptive", "dflash_lookup", "baseline_skinny", "dflash_stock_linears")
 PLAIN_METHODS = ("baseline", "baseline_skinny")  # no drafter: tau is 1 by definition
 BUILTIN_DRAFTER_RENAMES = {"fc.weight": "encoder.fc.weight", "hidden_norm.weight": "encoder.output_norm_enc.weight"}
 SHIPPED_DRAFTER = Path(__file__).resolve().parent / "drafters" / "smollm2-135m-instruct"
@@ -1208,10 +1208,10 @@ def run_batch_benchmark(
     unknown = sorted(set(methods) - set(BATCH_METHODS))
     if unknown:
         raise ValueError(f"batched benchmark methods {unknown} are not among {BATCH_METHODS}")
-    if "dflash_adaptive" in methods and adaptive_draft_length is None:
+    if adaptive_draft_length is None and {"dflash_adaptive", "dflash_lookup"} & set(methods):
         adaptive_draft_length = "auto"
     methods = [
-        (name, adaptive_draft_length if name == "dflash_adaptive" else None)
+        (name, adaptive_draft_length if name in ("dflash_adaptive", "dflash_lookup") else None)
         for name in dict.fromkeys(["baseline", *methods])
     ]
     bar = _progress_bar(progress, len(batch_sizes) * len(methods) * (warmup + repeats))
@@ -1232,6 +1232,7 @@ def run_batch_benchmark(
                 elif name != "baseline":
                     drafter.draft_length = setting
                     drafter.fast_cpu_linears = name != "dflash_stock_linears"
+                    drafter.ngram_lookup = 2 if name == "dflash_lookup" else None
                     extra["assistant_model"] = drafter
                 _synchronize(device)
                 start = time.perf_counter()
@@ -1282,7 +1283,7 @@ def run_batch_benchmark(
                     "rows_equal": total["equal"],
                 })
     finally:
-        drafter.draft_length = None
+        drafter.draft_length, drafter.ngram_lookup = None, None
         drafter.fast_cpu_linears = True
         bar.close()
     return rows
