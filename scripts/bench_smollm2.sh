@@ -14,7 +14,8 @@ dflash bench --dataset mtbench --dataset humaneval --num-prompts "${NUM_PROMPTS:
   --output-dir "$out" --name cpu-smollm2-trained
 # Batched throughput at batch 1, 4, 8, 16 (MT-Bench prompts, cycled), greedy, 64 new tokens.
 dflash bench --dataset mtbench --num-prompts 16 --max-new-tokens 64 --threads "$threads" \
-  --methods baseline,dflash,dflash_adaptive,baseline_skinny,dflash_stock_linears --batch-sizes 1,4,8,16 --output-dir "$out" --name cpu-smollm2-trained
+  --methods baseline,dflash,dflash_adaptive,dflash_lookup,baseline_skinny,dflash_stock_linears --batch-sizes 1,4,8,16 \
+  --output-dir "$out" --name cpu-smollm2-trained
 # The linear kernels alone: one pass over SmolLM2's nn.Linear weights per row count, F.linear vs skinny_linear.
 dflash bench --linear-kernels 1,2,4,8,16,32,64,128,256 --threads "$threads" --output-dir "$out" --name cpu-smollm2
 # DFlash plus copied drafts (drafter.ngram_lookup = 2) against DFlash alone and prompt lookup.
