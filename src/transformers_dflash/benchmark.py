@@ -442,19 +442,37 @@ class _AssistedRecorder:
 
 
 @contextlib.contextmanager
-def draft_length(drafter, setting):
-    """Temporarily set `drafter.draft_length` (None: verify the whole block; a threshold; "auto")."""
-    if not hasattr(drafter, "draft_length"):
-        if setting is None:
+def drafter_setting(drafter, name: str, value, default):
+    """Temporarily set the run-time setting `drafter.<name>` to `value`.
+
+    A drafter whose code predates the setting behaves as `default`: asking it for `default` changes nothing, asking it
+    for anything else is an error (the method cannot run with that drafter)."""
+    if not hasattr(drafter, name):
+        if value == default:
             yield drafter
             return
-        raise ValueError("this drafter has no adaptive draft length (drafter.draft_length)")
-    previous = drafter.draft_length
-    drafter.draft_length = setting
+        raise ValueError(f"this drafter's code has no {name} setting (drafter.{name})")
+    previous = getattr(drafter, name)
+    setattr(drafter, name, value)
     try:
         yield drafter
     finally:
-        drafter.draft_length = previous
+        setattr(drafter, name, previous)
+
+
+def draft_length(drafter, setting):
+    """Temporarily set `drafter.draft_length` (None: verify the whole block; a threshold; "auto")."""
+    return drafter_setting(drafter, "draft_length", setting, None)
+
+
+def fast_cpu_linears(drafter, enabled: bool):
+    """Temporarily set `drafter.fast_cpu_linears` (False: verify and draft with stock `nn.Linear` kernels)."""
+    return drafter_setting(drafter, "fast_cpu_linears", enabled, True)
+
+
+def ngram_lookup(drafter, size):
+    """Temporarily set `drafter.ngram_lookup` (None: off)."""
+    return drafter_setting(drafter, "ngram_lookup", size, None)
 
 
 def parse_draft_length(text):
@@ -467,36 +485,6 @@ def parse_draft_length(text):
     if not 0.0 <= value <= 1.0:
         raise ValueError(f"draft length threshold must be in [0, 1], got {value}")
     return value
-
-
-@contextlib.contextmanager
-def fast_cpu_linears(drafter, enabled: bool):
-    """Temporarily set `drafter.fast_cpu_linears` (False: verify and draft with stock `nn.Linear` kernels)."""
-    previous = getattr(drafter, "fast_cpu_linears", None)
-    if previous is None and enabled:  # older drafter code: always stock kernels
-        raise ValueError("this drafter's code has no fast_cpu_linears setting")
-    drafter.fast_cpu_linears = enabled
-    try:
-        yield drafter
-    finally:
-        if previous is None:
-            del drafter.fast_cpu_linears
-        else:
-            drafter.fast_cpu_linears = previous
-
-
-@contextlib.contextmanager
-def ngram_lookup(drafter, size):
-    """Temporarily set `drafter.ngram_lookup` (None: off)."""
-    if size is None:
-        yield drafter
-        return
-    previous = drafter.ngram_lookup
-    drafter.ngram_lookup = size
-    try:
-        yield drafter
-    finally:
-        drafter.ngram_lookup = previous
 
 
 def _with_skinny_linears(target, generate: Callable) -> Callable:
@@ -572,8 +560,8 @@ def build_methods(
                        f"ngram_lookup={max_matching_ngram_size or 2}")
             )
         elif name == "dflash_stock_linears":
-            if drafter is None:
-                skipped[name] = "no drafter given"
+            if drafter is None or not hasattr(drafter, "fast_cpu_linears"):
+                skipped[name] = "no drafter given" if drafter is None else "this drafter's code has no fast_cpu_linears"
                 continue
             methods.append(
                 Method(name, METHOD_LABELS[name], dflash_generate(None, fast_linears=False),
@@ -1226,20 +1214,21 @@ def run_batch_benchmark(
             reference = None
 
             def call(name, setting):
-                extra, kernels = {}, contextlib.nullcontext()
-                if name == "baseline_skinny":
-                    kernels = skinny_linears(target)
-                elif name != "baseline":
-                    drafter.draft_length = setting
-                    drafter.fast_cpu_linears = name != "dflash_stock_linears"
-                    drafter.ngram_lookup = 2 if name == "dflash_lookup" else None
-                    extra["assistant_model"] = drafter
-                _synchronize(device)
-                start = time.perf_counter()
-                with torch.inference_mode(), kernels:
-                    out = target.generate(input_ids, **kwargs, **extra)
-                _synchronize(device)
-                return out[:, input_ids.shape[1] :], time.perf_counter() - start
+                extra = {}
+                with contextlib.ExitStack() as settings:
+                    if name == "baseline_skinny":
+                        settings.enter_context(skinny_linears(target))
+                    elif name != "baseline":
+                        settings.enter_context(draft_length(drafter, setting))
+                        settings.enter_context(fast_cpu_linears(drafter, name != "dflash_stock_linears"))
+                        settings.enter_context(ngram_lookup(drafter, 2 if name == "dflash_lookup" else None))
+                        extra["assistant_model"] = drafter
+                    _synchronize(device)
+                    start = time.perf_counter()
+                    with torch.inference_mode():
+                        out = target.generate(input_ids, **kwargs, **extra)
+                    _synchronize(device)
+                    return out[:, input_ids.shape[1] :], time.perf_counter() - start
 
             for name, setting in methods:
                 for _ in range(warmup):
@@ -1283,8 +1272,6 @@ def run_batch_benchmark(
                     "rows_equal": total["equal"],
                 })
     finally:
-        drafter.draft_length, drafter.ngram_lookup = None, None
-        drafter.fast_cpu_linears = True
         bar.close()
     return rows
 
@@ -1935,15 +1922,19 @@ def _run_linear_command(args, target, target_name, dtype_name, device) -> int:
         f"{str((env.get('git') or {}).get('commit'))[:10]}"
     )
     markdown = format_linear_markdown(rows, header)
-    out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     report = {"settings": {"row_counts": row_counts, "target": target_name, "dtype": dtype_name}, "environment": env,
               "rows": rows}
-    (out / f"{args.name}-linear.json").write_text(json.dumps(_json_safe(report), indent=1) + "\n", encoding="utf-8")
-    (out / f"{args.name}-linear.md").write_text(markdown, encoding="utf-8")
-    print(markdown)
-    print(f"Wrote {out / (args.name + '-linear.json')}, {out / (args.name + '-linear.md')}", file=sys.stderr)
+    _write_mode_report(Path(args.output_dir), f"{args.name}-linear", report, markdown)
     return 0
+
+
+def _write_mode_report(out: Path, stem: str, report: dict, markdown: str) -> None:
+    """`<stem>.json` and `<stem>.md` for the `--linear-kernels` / `--batch-sizes` modes; the table on stdout."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(_json_safe(report), indent=1) + "\n", encoding="utf-8")
+    (out / f"{stem}.md").write_text(markdown, encoding="utf-8")
+    print(markdown)
+    print(f"Wrote {out / (stem + '.json')}, {out / (stem + '.md')}", file=sys.stderr)
 
 
 def _run_batch_command(args, target, drafter, tokenizer, datasets, adaptive_setting, description, target_name,
@@ -1976,12 +1967,7 @@ def _run_batch_command(args, target, drafter, tokenizer, datasets, adaptive_sett
         f"{str((env.get('git') or {}).get('commit'))[:10]}"
     )
     markdown = format_batch_markdown(rows, header)
-    out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     report = {"settings": {"batch_sizes": batch_sizes, "max_new_tokens": args.max_new_tokens, "target": target_name,
                            "drafter": description, "dtype": dtype_name}, "environment": env, "rows": rows}
-    (out / f"{args.name}-batch.json").write_text(json.dumps(_json_safe(report), indent=1) + "\n", encoding="utf-8")
-    (out / f"{args.name}-batch.md").write_text(markdown, encoding="utf-8")
-    print(markdown)
-    print(f"Wrote {out / (args.name + '-batch.json')}, {out / (args.name + '-batch.md')}", file=sys.stderr)
+    _write_mode_report(Path(args.output_dir), f"{args.name}-batch", report, markdown)
     return 0

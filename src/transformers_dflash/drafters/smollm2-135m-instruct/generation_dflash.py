@@ -71,10 +71,10 @@ def skinny_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
     A verification forward multiplies every weight matrix by a handful of rows (block width x batch). On CPUs, PyTorch
     runs `input @ weight^T` for 2..256 rows through an MKL GEMM that is much slower than streaming the weights once:
-    measured on a 2-core AMD EPYC (SmolLM2-135M's 211 matrices, 2 threads), 2 rows cost 1.6x one row while the
-    transposed product cost 0.7x, 8 rows 1.5x against 1.1x (`docs/benchmarks.md`). Same arithmetic, other
-    summation order: results agree to float32 rounding, like any change of batch shape. Other devices, dtypes and row
-    counts (one row is a matrix-vector product either way) take `F.linear` unchanged.
+    measured on a 2-core AMD EPYC (SmolLM2-135M's 211 matrices, 2 threads), 2 rows cost 2.0x one row while the
+    transposed product cost 1.0x, 8 rows 2.0x against 1.5x (`dflash bench --linear-kernels`, docs/benchmarks.md).
+    Same arithmetic, other summation order: results agree to float32 rounding, like any change of batch shape. Other
+    devices, dtypes and row counts (one row is a matrix-vector product either way) take `F.linear` unchanged.
     """
     rows = input.numel() // input.shape[-1] if input.dim() > 0 and input.shape[-1] else 0
     if (
