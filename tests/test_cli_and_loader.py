@@ -309,3 +309,19 @@ def test_demo_draft_length_option():
     assert cli.parse_demo_draft_length("0.4", "cpu") == 0.4
     with pytest.raises(SystemExit, match="--draft-length"):
         cli.parse_demo_draft_length("often", "cpu")
+
+
+def test_demo_ngram_lookup_option(monkeypatch, capsys):
+    """`dflash demo --ngram-lookup N` sets drafter.ngram_lookup (output still identical); bad values fail early."""
+    tokenizer = tiny_tokenizer()
+    target = tiny_target(tokenizer)
+    torch.manual_seed(1)
+    drafter = DFlashDraftModel.from_target(target, num_layers=1, block_size=4).eval()
+    monkeypatch.setattr(smollm2, "load_smollm2", lambda *args, **kwargs: (target, tokenizer))
+    monkeypatch.setattr(cli, "load_demo_drafter", lambda target, path=None: (drafter, "tiny", True))
+    args = ["demo", "--max-new-tokens", "8", "--repeats", "1", "--threads", "1", "--no-stream", "--device", "cpu"]
+    assert cli.main(args + ["--ngram-lookup", "2"]) == 0
+    out = capsys.readouterr().out
+    assert drafter.ngram_lookup == 2 and "2-gram lookup" in out and "outputs identical: yes" in out
+    with pytest.raises(SystemExit, match="--ngram-lookup"):
+        cli.main(args + ["--ngram-lookup", "0"])

@@ -109,28 +109,40 @@ def test_draft_length_policy_rules():
     assert DraftLengthPolicy(threshold=0.5).num_to_verify(confidence) == 2  # the widest row wins
     assert DraftLengthPolicy(threshold=0.95).num_to_verify(confidence) == 1
     auto = DraftLengthPolicy(auto=True)
-    assert auto.num_to_verify(confidence) == 4  # explores the full block first...
-    auto.record(5, 1.0)
-    assert auto.num_to_verify(confidence) == 2  # ... then half of it
-    auto.record(3, 0.6)  # 0.2 s per verified token on top of 0 s: verification cost dominates
-    assert auto.num_to_verify(confidence) == 0  # ... then no draft (width 1) is measured too
+    assert auto.num_to_verify(confidence) == 1  # explores one draft first...
+    assert auto.wants_draft()
+    auto.record(2, 0.4)  # 0.2 s per verified token on top of 0 s: verification cost dominates
+    assert not auto.wants_draft()  # ... then a plain step (width 1) is measured, without paying for a draft
+    assert auto.num_to_verify(confidence) == 0  # (copied drafts alone are not verified then either)
     auto.record(1, 0.2)
     assert auto.num_to_verify(confidence) == 0
     assert auto.step_costs(5) == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0])  # measured where it can, else the line
+    auto.record(5, 0.5)  # a measured width replaces the line's guess, widths in between are interpolated
+    assert auto.step_costs(5) == pytest.approx([0.2, 0.4, 0.4333, 0.4667, 0.5], abs=1e-3)
     cheap = DraftLengthPolicy(auto=True)
-    cheap.record(5, 1.0)
-    cheap.record(1, 0.99)  # nearly free extra tokens (a GPU): verify everything
+    cheap.record(2, 1.0)
+    cheap.record(1, 0.99)  # nearly free extra tokens (a GPU): verify everything, untried widths included
     assert cheap.num_to_verify(confidence) == 4
+    # A large batch: one more token per row costs as much as the step. Even confident drafts are not worth it, and
+    # the full block is never tried (it would cost five plain steps just to learn that).
+    large = DraftLengthPolicy(auto=True)
+    large.record(2, 2.0)
+    large.record(1, 1.0)
+    assert large.num_to_verify(torch.full((1, 4), 0.9)) == 0
+    # The first draft also read the prompt's context: later drafts tell the draft's cost.
+    large.record(1, 1.0, draft_seconds=30.0)
+    large.record(1, 1.0, draft_seconds=0.1)
+    assert large.num_to_verify(torch.full((1, 4), 0.99)) >= 1  # 1.99 tokens in 2.1 s > 1 in 1.1 s (not in 17 s)
     # A CPU: one token is cheap, two to five cost the same. Confident drafts are worth it, doubtful ones are not.
     cpu = DraftLengthPolicy(auto=True)
-    for width, seconds in ((5, 1.7), (3, 1.7), (1, 1.0)):
+    for width, seconds in ((5, 1.7), (2, 1.7), (1, 1.0)):
         cpu.record(width, seconds)
     assert cpu.num_to_verify(confidence) == 4  # row 0: 1 + .9 + .81 + .41 + .36 = 3.5 tokens in 1.7 s > 1 in 1.0
     doubtful = torch.tensor([[0.3, 0.3, 0.3, 0.3]])
     assert cpu.num_to_verify(doubtful) == 0  # 1.43 tokens in 1.7 s < 1 token in 1.0 s: a plain step
     # A batch shares the forward: one confident row does not make the doubtful rows' drafts worth verifying.
     batch = DraftLengthPolicy(auto=True)
-    for width, seconds in ((5, 2.5), (3, 2.5), (1, 1.0)):
+    for width, seconds in ((5, 2.5), (2, 2.5), (1, 1.0)):
         batch.record(width, seconds)
     rows = torch.tensor([[0.99] * 4, [0.01] * 4, [0.01] * 4])
     assert batch.num_to_verify(rows[:1]) == 4  # alone: 4.9 tokens in 2.5 s > 1 token in 1 s

@@ -248,3 +248,25 @@ def test_candidate_generator_protocol_in_transformers_own_loop(monkeypatch, orac
     out = target.generate(prompt, max_new_tokens=23, do_sample=False, assistant_model=drafter)
     assert torch.equal(out, expected)
     assert max(drafter.last_acceptance_lengths) > 1  # drafts were accepted through the protocol
+
+
+def test_half_precision_drafter_next_to_float32_target_warns_once_and_stays_lossless(caplog, monkeypatch):
+    """A bfloat16 drafter (the shipped weights' dtype) with a float32 target on CPU drafts slowly: say so, once."""
+    import logging
+
+    from transformers_dflash import generation_dflash
+
+    monkeypatch.setattr(generation_dflash, "_warned_dtypes", set())
+    target = make_target("llama", dtype=torch.float32)
+    drafter = make_drafter(target, block_size=4).to(torch.bfloat16)
+    input_ids = random_prompt(9, seed=3)
+    expected = target.generate(input_ids, max_new_tokens=12, do_sample=False)
+    with caplog.at_level(logging.WARNING, logger=generation_dflash.__name__):
+        for _ in range(2):
+            out = target.generate(input_ids, assistant_model=drafter, max_new_tokens=12, do_sample=False)
+            assert torch.equal(out, expected)
+    assert caplog.text.count("dtype=target.dtype") == 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=generation_dflash.__name__):
+        target.generate(input_ids, assistant_model=drafter.float(), max_new_tokens=12, do_sample=False)
+    assert "dtype=target.dtype" not in caplog.text

@@ -335,6 +335,15 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "measured as it runs) or a confidence threshold in [0, 1]. Default: 'auto' on CPU, where verifying 2 tokens "
         "costs much more than 1, else 'full'",
     )
+    parser.add_argument(
+        "--ngram-lookup",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also propose copied drafts: when the last N (then N-1 ... 1) tokens occurred earlier, the tokens that "
+        "followed head the block (drafter.ngram_lookup; verified like any draft, so the output is unchanged). "
+        "Default: off",
+    )
     parser.add_argument("--no-stream", action="store_true", help="do not stream the answer while it is generated")
     return parser
 
@@ -379,6 +388,8 @@ def run_demo_command(args: argparse.Namespace) -> int:
     torch.set_num_threads(max(1, args.threads))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     draft_length = parse_demo_draft_length(args.draft_length, device)  # bad values fail before the slow load
+    if args.ngram_lookup is not None and args.ngram_lookup < 1:
+        raise SystemExit(f"dflash demo: --ngram-lookup must be >= 1 (the longest n-gram to match), got {args.ngram_lookup}.")
     print(f"Loading SmolLM2-135M-Instruct ({args.dtype}, {device}, {torch.get_num_threads()} CPU threads)...", flush=True)
     start = time.perf_counter()
     try:
@@ -391,6 +402,9 @@ def run_demo_command(args: argparse.Namespace) -> int:
     drafter, description, trained = load_demo_drafter(target, args.drafter)
     drafter.draft_length = draft_length
     description += f"; draft length {drafter.draft_length or 'full block'}"
+    if args.ngram_lookup is not None:
+        drafter.ngram_lookup = args.ngram_lookup
+        description += f"; copied drafts from {args.ngram_lookup}-gram lookup"
     if trained:
         print(f"Drafter: {description}.", flush=True)
     else:

@@ -252,9 +252,12 @@ class DraftLengthPolicy:
     - `"auto"`: pick the length k (0 = verify no draft: a plain decoding step) that maximises expected tokens per
       second, `(1 + sum_{j<=k} P_j) / (draft + verify(k + 1))`, with `P_j` the cumulative confidence, `draft` the
       mean measured draft time and `verify(w)` the measured time of verifying w tokens in this generate() call: the
-      mean of the steps of that width, else a least-squares line through all steps. The first steps explore the full
-      block, half of it, and no draft at all. A table rather than a line, because on CPUs one token can be much
-      cheaper than two while two to eight cost about the same.
+      mean of the steps of that width, else a least-squares line through all steps. The first two steps measure one
+      draft (width 2) and no draft (width 1); wider blocks are tried when the line predicts that they pay, and are
+      then measured. Exploring from the narrow end keeps a large batch, where a full block costs several plain steps,
+      from paying for it just to learn that it does not pay. A table rather than a line, because on CPUs one token
+      can be much cheaper than two while two to eight cost about the same. The draft's cost is the mean of the drafts
+      after the first (the first one also reads the whole prompt's context).
       When drafting loses even so (the expected rate of the last drafted step is below a plain step's, e.g. at a
       large batch with doubtful drafts), the next steps skip the drafter altogether; it is asked again after 1, 2,
       4, ... 16 skipped steps, and drafting resumes as soon as it wins. Skipped steps keep their target features for
@@ -292,7 +295,11 @@ class DraftLengthPolicy:
 
     def wants_draft(self) -> bool:
         """Whether to run the drafter this step (always, except in "auto" mode while drafting loses to plain steps)."""
-        if not self.auto or self.draft_rate is None:
+        if not self.auto:
+            return True
+        if 1 not in {w for w, _ in self.samples} and self.samples:  # exploring a plain step: no draft to pay for
+            return False
+        if self.draft_rate is None:
             return True
         plain_cost = self.step_costs(1)[0]
         if self.draft_rate >= 1.0 / plain_cost:
@@ -346,11 +353,12 @@ class DraftLengthPolicy:
         if not self.auto:
             return int((cumulative >= self.threshold).sum(dim=1).max())
         widths = {w for w, _ in self.samples}
-        if len(widths) < 2:  # explore: full block, then half of it
-            return num_draft if not self.samples else max(1, num_draft // 2)
+        if 2 not in widths:  # explore: one draft ...
+            return min(1, num_draft)
         if 1 not in widths:  # ... then no draft at all
             return 0
-        draft = sum(self.draft_seconds) / len(self.draft_seconds) if self.draft_seconds and paid_draft else 0.0
+        drafts = self.draft_seconds[1:] or self.draft_seconds  # the first draft also read the prompt's context
+        draft = sum(drafts) / len(drafts) if drafts and paid_draft else 0.0
         costs = [draft + c for c in self.step_costs(num_draft + 1)]
         costs = torch.tensor(costs, dtype=torch.float32, device=confidence.device)
         gained = 1 + torch.cat([cumulative.new_zeros(cumulative.shape[0], 1), cumulative.cumsum(dim=1)], dim=1)
@@ -458,6 +466,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.last_confidence = None
         drafter_param = next(drafter.parameters())
         self.drafter_device, self.drafter_dtype = drafter_param.device, drafter_param.dtype
+        _warn_slow_cpu_dtype(self.drafter_dtype, self.head_weight.dtype, self.drafter_device)
         self.num_captured_valid = 0
 
         # Forward hooks keep the chosen layers' outputs. hidden_states[i + 1] in transformers is the output of layer
@@ -557,6 +566,24 @@ class DFlashCandidateGenerator(CandidateGenerator):
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
         self.drafter.last_acceptance_lengths.append(int(num_matches) + 1)
+
+
+_warned_dtypes: set = set()
+
+
+def _warn_slow_cpu_dtype(drafter_dtype: torch.dtype, target_dtype: torch.dtype, device: torch.device) -> None:
+    """Warn (once per dtype pair) when a half-precision drafter runs on CPU next to a float32 target: CPU bfloat16 /
+    float16 matrix products are slower than float32 ones on most CPUs, so the drafter costs more than it should."""
+    key = (drafter_dtype, target_dtype)
+    if device.type != "cpu" or target_dtype != torch.float32 or drafter_dtype == torch.float32 or key in _warned_dtypes:
+        return
+    _warned_dtypes.add(key)
+    logger.warning(
+        "The drafter's weights are %s and the target's float32, on CPU, where half-precision matrix products are "
+        "usually slower than float32 ones, so drafting costs more than it needs to. Load the drafter with the target's dtype, e.g. "
+        "AutoModel.from_pretrained(path, trust_remote_code=True, dtype=target.dtype).",
+        str(drafter_dtype).replace("torch.", ""),
+    )
 
 
 def _capture_output(store: list, slot: int, module, args, output):
