@@ -582,13 +582,14 @@ def _warn_slow_cpu_dtype(drafter_dtype: torch.dtype, target_dtype: torch.dtype, 
     """Warn (once per dtype pair) when a half-precision drafter runs on CPU next to a float32 target: CPU bfloat16 /
     float16 matrix products are slower than float32 ones on most CPUs, so the drafter costs more than it should."""
     key = (drafter_dtype, target_dtype)
-    if device.type != "cpu" or target_dtype != torch.float32 or drafter_dtype == torch.float32 or key in _warned_dtypes:
+    half = drafter_dtype in (torch.bfloat16, torch.float16)
+    if device.type != "cpu" or target_dtype != torch.float32 or not half or key in _warned_dtypes:
         return
     _warned_dtypes.add(key)
     logger.warning(
         "The drafter's weights are %s and the target's float32, on CPU, where half-precision matrix products are "
-        "usually slower than float32 ones, so drafting costs more than it needs to. Load the drafter with the target's dtype, e.g. "
-        "AutoModel.from_pretrained(path, trust_remote_code=True, dtype=target.dtype).",
+        "usually slower than float32 ones, so drafting costs more than it needs to. Load the drafter with the "
+        "target's dtype, e.g. AutoModel.from_pretrained(path, trust_remote_code=True, dtype=target.dtype).",
         str(drafter_dtype).replace("torch.", ""),
     )
 
