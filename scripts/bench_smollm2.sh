@@ -5,20 +5,16 @@
 set -euo pipefail
 out=${1:-docs/benchmarks}
 threads=${THREADS:-2}
-# *_skinny and dflash_stock_linears attribute the speed to kernels: plain generate() and prompt lookup with the linear
-# kernels DFlash verifies with, and DFlash with stock nn.Linear kernels.
-# Held-out prompts, greedy, 256 new tokens: tau, speedup, ours vs the built-in path and prompt lookup.
-dflash bench --dataset mtbench --dataset humaneval --num-prompts "${NUM_PROMPTS:-3}" --max-new-tokens 256 --profile \
+# *_skinny rows attribute the speed to kernels: plain generate() and prompt lookup with the linear kernels DFlash
+# verifies with (dflash_stock_linears, DFlash with stock kernels, is also available).
+# Held-out prompts, greedy, 256 new tokens: tau, speedup, ours vs the built-in path, prompt lookup and copied drafts.
+dflash bench --dataset mtbench --dataset humaneval --num-prompts "${NUM_PROMPTS:-3}" --max-new-tokens 256 \
   --temperatures 0 --threads "$threads" \
-  --methods baseline,dflash,dflash_adaptive,builtin_dflash,prompt_lookup,dflash_stock_linears,baseline_skinny,prompt_lookup_skinny \
+  --methods baseline,dflash,dflash_adaptive,builtin_dflash,prompt_lookup,dflash_lookup,baseline_skinny,prompt_lookup_skinny \
   --output-dir "$out" --name cpu-smollm2-trained
-# Batched throughput at batch 1, 4, 8, 16 (MT-Bench prompts, cycled), greedy, 64 new tokens.
-dflash bench --dataset mtbench --num-prompts 16 --max-new-tokens 64 --threads "$threads" \
-  --methods baseline,dflash,dflash_adaptive,dflash_lookup,baseline_skinny,dflash_stock_linears --batch-sizes 1,4,8,16 \
+# Batched throughput at batch 1, 4, 8, 16 (MT-Bench prompts, cycled), greedy, 64 new tokens, 2 timed calls each.
+dflash bench --dataset mtbench --num-prompts 16 --max-new-tokens 64 --threads "$threads" --repeats 2 \
+  --methods baseline,dflash_adaptive,dflash_lookup,baseline_skinny --batch-sizes 1,4,8,16 \
   --output-dir "$out" --name cpu-smollm2-trained
 # The linear kernels alone: one pass over SmolLM2's nn.Linear weights per row count, F.linear vs skinny_linear.
 dflash bench --linear-kernels 1,2,4,8,16,32,64,128,256 --threads "$threads" --output-dir "$out" --name cpu-smollm2
-# DFlash plus copied drafts (drafter.ngram_lookup = 2) against DFlash alone and prompt lookup.
-dflash bench --dataset mtbench --dataset humaneval --num-prompts "${NUM_PROMPTS:-3}" --max-new-tokens 256 \
-  --temperatures 0 --threads "$threads" --methods baseline,dflash_adaptive,dflash_lookup,prompt_lookup \
-  --output-dir "$out" --name cpu-smollm2-trained-lookup

@@ -241,6 +241,17 @@ def test_ngram_lookup_continuation_and_bad_setting():
     assert drafts.tolist() == [[9, 5, 6]] and confidence.tolist() == [[0.5, 0.5, 0.5]]
     lookup.record([1], 3)  # first copy accepted, second rejected
     assert lookup.hits[:3] == [1, 0, 0] and lookup.tries[:3] == [1, 1, 0]
+    _, confidence = lookup.merge(torch.stack([tokens, tokens]), [1], [9, 9], torch.zeros(1, 0, dtype=torch.long),
+                                 None, 3)
+    assert confidence[0].tolist() == pytest.approx([2 / 3, 4 / 9, 4 / 9])  # an untried depth inherits the one before
+    loop = NgramLookup(2, block_size=8)
+    for _ in range(10):  # a repetition loop: every copy verified so far (depths 0-1) was accepted
+        loop.copied = [2]
+        loop.record([2], 2)
+    _, confidence = loop.merge(torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2]]), [0], [11],
+                               torch.zeros(1, 0, dtype=torch.long), None, 7)
+    assert bool((confidence[0, :3] > 0.9).all())  # copies of depth 0-2 ("3 1 2") look as good as the tried ones,
+    assert loop.acceptance[6] > 0.9  # and so would deeper ones (a fixed 1/2 prior made depth 6 worth 1/2 ** 7)
     target = make_target("llama", dtype=torch.float32, eos_token_id=None)
     drafter = make_drafter(target)
     drafter.ngram_lookup = 0.5

@@ -1364,8 +1364,8 @@ def format_linear_markdown(rows: Sequence[Mapping[str, Any]], header: str = "") 
     lines += [
         "",
         "rows: tokens x batch rows of a forward (a verification step of width w at batch b has w*b rows). skinny_linear "
-        "takes F.linear below 2 and above 256 rows and for other dtypes/devices, so those rows time the same kernel "
-        "twice.",
+        "takes F.linear above 256 rows and for other dtypes/devices, so those rows time the same kernel twice; one row "
+        "goes through its two-column product (two copies of the row).",
         "",
     ]
     return "\n".join(lines)

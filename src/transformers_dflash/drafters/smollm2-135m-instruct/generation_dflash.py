@@ -386,8 +386,8 @@ class NgramLookup:
     proposal they are verified by the target, so the output is unchanged.
 
     With `draft_length="auto"` each copied token's confidence is its depth's measured acceptance rate in this call
-    (Laplace-smoothed), so the policy verifies copies as far as they have been paying off; when the drafter is
-    skipped, copies are still proposed (they cost no drafter forward).
+    (smoothed towards the rate of the depth before), so the policy verifies copies as far as they have been paying
+    off; when the drafter is skipped, copies are still proposed (they cost no drafter forward).
     """
 
     def __init__(self, max_ngram_size: int, block_size: int):
@@ -408,6 +408,14 @@ class NgramLookup:
     def merge(self, sequences, active, lengths, drafts, confidence, num_draft: int):
         """Drafts `[rows, num_draft]` (and per-token confidences) with each row's copied continuation at its head."""
         rows = len(active)
+        # Per depth, the measured rate at which a copy is accepted once the copies before it were, shrunk towards the
+        # rate of the depth before (1/2 for the first): an untried depth looks like the last tried one, so copies that
+        # keep being accepted (a repetition loop) get verified ever deeper, as prompt lookup would.
+        rates, prior = [], 0.5
+        for hits, tries in zip(self.hits, self.tries):
+            prior = (hits + 2 * prior) / (tries + 2)
+            rates.append(prior)
+        self.acceptance = torch.tensor(rates)
         if drafts.shape[1] < num_draft:  # the drafter did not run this step: pad, with zero confidence
             drafts = torch.cat([drafts, drafts.new_zeros(rows, num_draft - drafts.shape[1])], dim=1)
         confidence = confidence.clone() if confidence is not None else torch.zeros(rows, num_draft)
@@ -418,7 +426,7 @@ class NgramLookup:
                 continue
             n = copy.shape[0]
             drafts[i, :n] = copy
-            confidence[i, :n] = torch.tensor([(self.hits[j] + 1) / (self.tries[j] + 2) for j in range(n)])
+            confidence[i, :n] = self.acceptance[:n]
             self.copied[i] = n
         return drafts, confidence.to(drafts.device)
 
