@@ -395,6 +395,7 @@ class NgramLookup:
         self.hits = [0] * block_size  # copies accepted at depth j ...
         self.tries = [0] * block_size  # ... out of copies verified at depth j with all earlier ones accepted
         self.copied: list[int] = []  # per row of the last step: tokens copied into the block head
+        self.acceptance = torch.full((block_size,), 0.5)  # confidence given a copy at each depth (see `merge`)
 
     def _continuation(self, tokens: torch.Tensor, num_draft: int) -> torch.Tensor | None:
         for n in range(min(self.max_ngram_size, tokens.shape[0] - 1), 0, -1):
