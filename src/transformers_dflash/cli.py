@@ -381,6 +381,7 @@ def load_demo_drafter(target, path: str | os.PathLike | None = None):
 def run_demo_command(args: argparse.Namespace) -> int:
     import torch
 
+    from .generation_dflash import check_ngram_lookup
     from .smollm2 import SmolLM2NotAvailableError, load_smollm2
 
     if args.max_new_tokens < 1 or args.repeats < 0:
@@ -388,8 +389,10 @@ def run_demo_command(args: argparse.Namespace) -> int:
     torch.set_num_threads(max(1, args.threads))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     draft_length = parse_demo_draft_length(args.draft_length, device)  # bad values fail before the slow load
-    if args.ngram_lookup is not None and args.ngram_lookup < 1:
-        raise SystemExit(f"dflash demo: --ngram-lookup must be >= 1 (the longest n-gram to match), got {args.ngram_lookup}.")
+    try:
+        check_ngram_lookup(args.ngram_lookup)
+    except ValueError as error:
+        raise SystemExit(f"dflash demo: --ngram-lookup {args.ngram_lookup}: {error}") from None
     print(f"Loading SmolLM2-135M-Instruct ({args.dtype}, {device}, {torch.get_num_threads()} CPU threads)...", flush=True)
     start = time.perf_counter()
     try:

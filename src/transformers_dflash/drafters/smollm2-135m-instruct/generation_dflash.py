@@ -71,10 +71,10 @@ def skinny_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
     A verification forward multiplies every weight matrix by a handful of rows (block width x batch). On CPUs, PyTorch
     runs `input @ weight^T` for 2..256 rows through an MKL GEMM that is much slower than streaming the weights once:
-    measured on a 2-core AMD EPYC (SmolLM2-135M's 211 matrices, 2 threads), 2 rows cost 2.0x one row while the
-    transposed product cost 1.0x, 8 rows 2.0x against 1.5x (`dflash bench --linear-kernels`, docs/benchmarks.md).
+    measured on a 2-core AMD EPYC (SmolLM2-135M's 211 matrices, 2 threads), 2 rows cost 1.67x one row while the
+    transposed product cost 0.75x, 8 rows 1.61x against 0.97x (`dflash bench --linear-kernels`, docs/benchmarks.md).
     One row goes through the same product as two copies of itself: MKL's matrix-vector product is slower than that
-    two-column product (SmolLM2's weights, same machine: one pass 58 ms against 68 ms). The output is made contiguous
+    two-column product (same table: one pass 54.6 ms against 69.9 ms). The output is made contiguous
     again (leaving it transposed in memory saved the copy but slowed the ops after it more). Same arithmetic, other
     summation order: results agree to float32 rounding, like any change of batch shape. Other devices, dtypes and
     row counts take `F.linear` unchanged.
@@ -395,7 +395,6 @@ class NgramLookup:
         self.hits = [0] * block_size  # copies accepted at depth j ...
         self.tries = [0] * block_size  # ... out of copies verified at depth j with all earlier ones accepted
         self.copied: list[int] = []  # per row of the last step: tokens copied into the block head
-        self.acceptance = torch.full((block_size,), 0.5)  # confidence given a copy at each depth (see `merge`)
 
     def _continuation(self, tokens: torch.Tensor, num_draft: int) -> torch.Tensor | None:
         for n in range(min(self.max_ngram_size, tokens.shape[0] - 1), 0, -1):
@@ -406,17 +405,22 @@ class NgramLookup:
                 return tokens[start : start + num_draft]
         return None
 
-    def merge(self, sequences, active, lengths, drafts, confidence, num_draft: int):
-        """Drafts `[rows, num_draft]` (and per-token confidences) with each row's copied continuation at its head."""
-        rows = len(active)
-        # Per depth, the measured rate at which a copy is accepted once the copies before it were, shrunk towards the
-        # rate of the depth before (1/2 for the first): an untried depth looks like the last tried one, so copies that
-        # keep being accepted (a repetition loop) get verified ever deeper, as prompt lookup would.
+    @property
+    def acceptance(self) -> torch.Tensor:
+        """The confidence given a copy at each depth: the measured rate at which a copy is accepted once the copies
+        before it were, shrunk towards the rate of the depth before (1/2 for the first). An untried depth looks like
+        the last tried one, so copies that keep being accepted (a repetition loop) get verified ever deeper, as prompt
+        lookup would."""
         rates, prior = [], 0.5
         for hits, tries in zip(self.hits, self.tries):
             prior = (hits + 2 * prior) / (tries + 2)
             rates.append(prior)
-        self.acceptance = torch.tensor(rates)
+        return torch.tensor(rates)
+
+    def merge(self, sequences, active, lengths, drafts, confidence, num_draft: int):
+        """Drafts `[rows, num_draft]` (and per-token confidences) with each row's copied continuation at its head."""
+        rows = len(active)
+        acceptance = self.acceptance
         if drafts.shape[1] < num_draft:  # the drafter did not run this step: pad, with zero confidence
             drafts = torch.cat([drafts, drafts.new_zeros(rows, num_draft - drafts.shape[1])], dim=1)
         confidence = confidence.clone() if confidence is not None else torch.zeros(rows, num_draft)
@@ -427,7 +431,7 @@ class NgramLookup:
                 continue
             n = copy.shape[0]
             drafts[i, :n] = copy
-            confidence[i, :n] = self.acceptance[:n]
+            confidence[i, :n] = acceptance[:n]
             self.copied[i] = n
         return drafts, confidence.to(drafts.device)
 
@@ -437,6 +441,15 @@ class NgramLookup:
             for j in range(min(copied, verified, a + 1)):
                 self.tries[j] += 1
                 self.hits[j] += j < a
+
+
+def check_ngram_lookup(value):
+    """`value` if it is a valid `drafter.ngram_lookup` (None = off, else the longest n-gram to match), else ValueError."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(
+            f"drafter.ngram_lookup={value!r} is not valid: use None (off) or the longest n-gram to match, e.g. 2."
+        )
+    return value
 
 
 class DFlashCandidateGenerator(CandidateGenerator):
@@ -464,7 +477,8 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.lm_head = target.get_output_embeddings()
         # The rows of the LM head the drafter scores (a reduced draft vocabulary, or all of them), sliced once.
         self.head_weight, self.head_bias = drafter.draft_head(self.lm_head)
-        self.head_linear = skinny_linear if getattr(drafter, "fast_cpu_linears", True) else F.linear
+        self.fast_cpu_linears = getattr(drafter, "fast_cpu_linears", True)
+        self.head_linear = skinny_linear if self.fast_cpu_linears else F.linear
         self.draft_vocab_ids, self.mask_index = drafter.draft_vocab_ids, self.config.mask_token_id
         if self.draft_vocab_ids is not None:
             self.draft_vocab_ids = self.draft_vocab_ids.to(self.head_weight.device)
@@ -473,11 +487,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.logits_processor = logits_processor
         self.cache = DFlashDrafterCache(self.config.num_hidden_layers)
         self.draft_length_policy = DraftLengthPolicy.from_setting(getattr(drafter, "draft_length", None))
-        lookup = getattr(drafter, "ngram_lookup", None)
-        if lookup is not None and (isinstance(lookup, bool) or not isinstance(lookup, int) or lookup < 1):
-            raise ValueError(
-                f"drafter.ngram_lookup={lookup!r} is not valid: use None (off) or the longest n-gram to match, e.g. 2."
-            )
+        lookup = check_ngram_lookup(getattr(drafter, "ngram_lookup", None))
         self.ngram_lookup = NgramLookup(lookup, self.block_size) if lookup else None
         self.last_confidence = None
         drafter_param = next(drafter.parameters())
@@ -823,8 +833,7 @@ def dflash_decoding(
 
     # Verification multiplies every weight by a few rows: on CPUs the transposed product is much faster
     # (`skinny_linear`); elsewhere the context changes nothing.
-    fast = getattr(drafter, "fast_cpu_linears", True)
-    kernels = skinny_linears(target, drafter) if fast else contextlib.nullcontext()
+    kernels = skinny_linears(target, drafter) if generator.fast_cpu_linears else contextlib.nullcontext()
     with kernels:
         try:
             # Prefill: the whole prompt through the target; the hooks keep the drafter's context features.
