@@ -70,6 +70,62 @@ def test_batch_with_untrained_drafter_and_processors():
     _assert_rows_match(out, prompts, singles)
 
 
+@pytest.mark.parametrize("rows_apart", [True, False])
+def test_prefill_with_or_without_the_padding_is_lossless(rows_apart, monkeypatch):
+    from transformers_dflash import generation_dflash
+
+    target = make_target("qwen3", dtype=torch.float32, eos_token_id=None)
+    drafter = make_drafter(target, block_size=4)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g) for n in (2, 13, 7, 1)]
+    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=PAD)
+    singles = [target.generate(p[None], **kwargs)[0] for p in prompts]
+    calls = []
+    unpadded = generation_dflash._unpadded_prefill
+    monkeypatch.setattr(generation_dflash, "_prefill_rows_apart", lambda mask, target: rows_apart)
+    monkeypatch.setattr(generation_dflash, "_unpadded_prefill", lambda *args: calls.append(1) or unpadded(*args))
+    ids, mask = _left_pad(prompts)
+    out = target.generate(ids, attention_mask=mask, assistant_model=drafter, **kwargs)
+    _assert_rows_match(out, prompts, singles)
+    assert len(calls) == (1 if rows_apart else 0)
+
+
+def test_unpadded_prefill_lays_out_the_padded_prefills_cache():
+    from transformers import DynamicCache
+    from transformers_dflash.generation_dflash import (
+        DFlashCandidateGenerator,
+        _cache_keyword,
+        _prefill_rows_apart,
+        _unpadded_prefill,
+    )
+
+    target = make_target("llama", dtype=torch.float32, eos_token_id=None)
+    drafter = make_drafter(target, block_size=4)
+    g = torch.Generator().manual_seed(0)
+    ids, mask = _left_pad([torch.randint(3, VOCAB, (n,), generator=g) for n in (9, 3, 6)])
+    assert _prefill_rows_apart(mask, target)  # 18 tokens in 27 slots
+    assert not _prefill_rows_apart(mask[:1], target)
+    assert not _prefill_rows_apart(torch.ones(3, 10, dtype=torch.long).index_fill_(1, torch.tensor([0]), 0), target)
+    keyword = _cache_keyword(target)
+    generator = DFlashCandidateGenerator(drafter, target)
+    with torch.no_grad():
+        padded_cache = DynamicCache()
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        padded = target(input_ids=ids, attention_mask=mask, position_ids=positions, **{keyword: padded_cache})
+        padded_features = generator.captured_features()
+        cache = DynamicCache()
+        logits, features = _unpadded_prefill(target, keyword, generator, ids, mask, cache)
+    generator.close()
+    valid = mask.bool()
+    torch.testing.assert_close(logits[:, 0], padded.logits[:, -1], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(features[valid], padded_features[valid], rtol=1e-4, atol=1e-5)
+    assert (features[~valid] == 0).all()
+    assert cache.get_seq_length() == padded_cache.get_seq_length() == ids.shape[1]
+    for layer, padded_layer in zip(cache.layers, padded_cache.layers):
+        for mine, theirs in ((layer.keys, padded_layer.keys), (layer.values, padded_layer.values)):
+            torch.testing.assert_close(mine.transpose(1, 2)[valid], theirs.transpose(1, 2)[valid], rtol=1e-4, atol=1e-5)
+
+
 def test_right_padding_is_refused_clearly():
     target = make_target("llama")
     drafter = make_drafter(target)

@@ -102,3 +102,73 @@ def test_decoding_uses_the_kernel_only_when_enabled(monkeypatch):
     drafter.fast_cpu_linears = True
     target.generate(prompt, assistant_model=drafter, max_new_tokens=6, do_sample=False)
     assert calls
+
+
+# `packed_gqa_sdpa`: the attention kernel DFlash decoding runs in on CPUs (with the linear kernels).
+
+
+class _GroupedAttention(nn.Module):
+    num_key_value_groups = 3
+
+
+@pytest.mark.parametrize("num_queries", [1, 2, 5])
+@pytest.mark.parametrize("mask_batch", [1, 2])
+def test_packed_gqa_attention_agrees_with_sdpa(num_queries, mask_batch):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from transformers_dflash.generation_dflash import packed_gqa_sdpa
+
+    torch.manual_seed(0)
+    module = _GroupedAttention().eval()
+    query = torch.randn(2, 6, num_queries, 8)
+    key, value = torch.randn(2, 2, 11, 8), torch.randn(2, 2, 11, 8)
+    mask = torch.rand(mask_batch, 1, num_queries, 11) > 0.3
+    mask[..., -1] = True  # every query sees at least one key
+    for attention_mask in (mask, torch.where(mask, 0.0, torch.finfo(torch.float32).min), None):
+        got, _ = packed_gqa_sdpa(module, query, key, value, attention_mask, scaling=0.3)
+        expected, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=0.3)
+        assert got.shape == expected.shape == (2, num_queries, 6, 8)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_packed_gqa_context_switches_attention_modules_only_and_restores_them(monkeypatch):
+    import transformers_dflash.generation_dflash as generation
+    from transformers_dflash.generation_dflash import packed_gqa_attention
+
+    calls = []
+    original = generation.packed_gqa_sdpa
+    monkeypatch.setattr(generation, "packed_gqa_sdpa", lambda *a, **k: calls.append(a[1].shape) or original(*a, **k))
+    target = make_target("qwen3", dtype=torch.float32, eos_token_id=None)
+    eager = make_target("llama", attn="eager", dtype=torch.float32, eos_token_id=None)
+    ids = torch.randint(3, 90, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        expected = target(input_ids=ids, attention_mask=mask).logits
+        with packed_gqa_attention(target, eager) as context:
+            assert target.config._attn_implementation == "sdpa"  # the model (and its mask creation) still say sdpa
+            attention = [m for m in target.modules() if hasattr(m, "num_key_value_groups")]
+            assert len(context.patched) == len(attention) == 4
+            assert all(m.config._attn_implementation == generation._PACKED_GQA_SDPA for m in attention)
+            got = target(input_ids=ids, attention_mask=mask).logits
+        assert len(calls) == 4  # one per layer
+        assert all(m.config is target.config for m in attention)
+        assert all(m.config._attn_implementation == "eager" for m in eager.modules() if hasattr(m, "config"))
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_decoding_uses_packed_attention_with_the_kernels_only(monkeypatch):
+    import transformers_dflash.generation_dflash as generation
+
+    calls = []
+    original = generation.packed_gqa_sdpa
+    monkeypatch.setattr(generation, "packed_gqa_sdpa", lambda *a, **k: calls.append(1) or original(*a, **k))
+    target = make_target("llama", dtype=torch.float32, eos_token_id=None)
+    drafter = make_drafter(target, block_size=4)
+    prompt = random_prompt(6, seed=0)
+    for fast in (False, True):
+        drafter.fast_cpu_linears = fast
+        expected = target.generate(prompt, max_new_tokens=8, do_sample=False)
+        assert torch.equal(target.generate(prompt, assistant_model=drafter, max_new_tokens=8, do_sample=False), expected)
+        assert bool(calls) == fast
+    assert all(m.config is target.config for m in target.modules() if hasattr(m, "num_key_value_groups"))
