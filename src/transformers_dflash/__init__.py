@@ -7,7 +7,15 @@ Importing the package registers the `dflash` model type with the Auto classes an
 from transformers import AutoConfig, AutoModel
 
 from .configuration_dflash import DFlashConfig
-from .generation_dflash import DFlashCandidateGenerator, DFlashDrafterCache, dflash_decoding, skinny_linear, skinny_linears
+from .generation_dflash import (
+    DFlashCandidateGenerator,
+    DFlashDrafterCache,
+    cpu_kernels,
+    dflash_decoding,
+    packed_gqa_attention,
+    skinny_linear,
+    skinny_linears,
+)
 from .modeling_dflash import DFlashDraftModel
 
 __version__ = "0.1.0"
@@ -20,7 +28,9 @@ __all__ = [
     "DFlashConfig",
     "DFlashDraftModel",
     "DFlashDrafterCache",
+    "cpu_kernels",
     "dflash_decoding",
+    "packed_gqa_attention",
     "skinny_linear",
     "skinny_linears",
 ]

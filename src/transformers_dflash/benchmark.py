@@ -47,7 +47,8 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_METHODS = ("baseline", "dflash", "dflash_adaptive", "builtin_dflash", "prompt_lookup")
-# The *_skinny / dflash_stock_linears methods attribute speed to kernels: every method with the same linear kernels.
+# The *_skinny / dflash_stock_linears methods attribute speed to kernels: every method with the same CPU kernels
+# (`generation_dflash.cpu_kernels`: skinny linears and packed grouped-query attention).
 OPTIONAL_METHODS = (
     "dflash_lookup", "early_exit", "assistant", "baseline_skinny", "prompt_lookup_skinny", "dflash_stock_linears"
 )
@@ -60,9 +61,9 @@ METHOD_LABELS = {
     "prompt_lookup": "prompt lookup",
     "early_exit": "early-exit self-speculation",
     "assistant": "assistant model",
-    "baseline_skinny": "plain generate(), skinny linears",
-    "prompt_lookup_skinny": "prompt lookup, skinny linears",
-    "dflash_stock_linears": "DFlash (transformers-dflash), stock nn.Linear kernels",
+    "baseline_skinny": "plain generate(), DFlash's CPU kernels",
+    "prompt_lookup_skinny": "prompt lookup, DFlash's CPU kernels",
+    "dflash_stock_linears": "DFlash (transformers-dflash), stock kernels",
 }
 BATCH_METHODS = ("baseline", "dflash", "dflash_adaptive", "dflash_lookup", "baseline_skinny", "dflash_stock_linears")
 PLAIN_METHODS = ("baseline", "baseline_skinny")  # no drafter: tau is 1 by definition
@@ -487,13 +488,13 @@ def parse_draft_length(text):
     return value
 
 
-def _with_skinny_linears(target, generate: Callable) -> Callable:
-    """`generate` with the target's linear layers computed by `skinny_linear` (what DFlash decoding uses on CPUs)."""
+def _with_cpu_kernels(target, generate: Callable) -> Callable:
+    """`generate` with the CPU kernels DFlash decoding uses (`cpu_kernels`: skinny linears, packed attention)."""
 
-    from .generation_dflash import skinny_linears
+    from .generation_dflash import cpu_kernels
 
     def wrapped(ids, kw):
-        with skinny_linears(target):
+        with cpu_kernels(target):
             return generate(ids, kw)
 
     return wrapped
@@ -545,10 +546,10 @@ def build_methods(
         if name == "baseline":
             methods.append(Method(name, METHOD_LABELS[name], plain))
         elif name == "baseline_skinny":
-            methods.append(Method(name, METHOD_LABELS[name], _with_skinny_linears(target, plain)))
+            methods.append(Method(name, METHOD_LABELS[name], _with_cpu_kernels(target, plain)))
         elif name == "prompt_lookup_skinny":
             extra, note = prompt_lookup_extra()
-            methods.append(Method(name, METHOD_LABELS[name], _with_skinny_linears(target, _assisted(target, extra)), note))
+            methods.append(Method(name, METHOD_LABELS[name], _with_cpu_kernels(target, _assisted(target, extra)), note))
         elif name == "dflash_lookup":
             if drafter is None or not hasattr(drafter, "ngram_lookup"):
                 skipped[name] = "no drafter given" if drafter is None else "this drafter's code has no ngram_lookup"
@@ -1189,7 +1190,7 @@ def run_batch_benchmark(
     if pad_token_id is None:
         pad_token_id = target.generation_config.pad_token_id
         pad_token_id = pad_token_id if pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
-    from .generation_dflash import skinny_linears
+    from .generation_dflash import cpu_kernels
 
     if methods is None:
         methods = ["dflash"] + (["dflash_adaptive"] if adaptive_draft_length is not None else [])
@@ -1217,7 +1218,7 @@ def run_batch_benchmark(
                 extra = {}
                 with contextlib.ExitStack() as settings:
                     if name == "baseline_skinny":
-                        settings.enter_context(skinny_linears(target))
+                        settings.enter_context(cpu_kernels(target))
                     elif name != "baseline":
                         settings.enter_context(draft_length(drafter, setting))
                         settings.enter_context(fast_cpu_linears(drafter, name != "dflash_stock_linears"))

@@ -200,6 +200,14 @@ class packed_gqa_attention:
         self.patched = []
 
 
+@contextlib.contextmanager
+def cpu_kernels(*models: nn.Module):
+    """Context manager: both CPU kernels DFlash decoding runs with (`skinny_linears`, `packed_gqa_attention`). Use it
+    around any other CPU generation to compare like with like, e.g. `with cpu_kernels(target): target.generate(...)`."""
+    with skinny_linears(*models), packed_gqa_attention(*models):
+        yield
+
+
 def _decoder_layers(target: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
     decoder = target.get_decoder() if hasattr(target, "get_decoder") else None
     layers = getattr(decoder, "layers", None)
@@ -904,11 +912,8 @@ def dflash_decoding(
 
     # Verification multiplies every weight by a few rows: on CPUs the transposed product is much faster
     # (`skinny_linear`), and attention over a masked batch skips a copy of the cache (`packed_gqa_sdpa`).
-    kernels = contextlib.ExitStack()
-    if generator.fast_cpu_linears and device.type == "cpu":
-        kernels.enter_context(skinny_linears(target, drafter))
-        kernels.enter_context(packed_gqa_attention(target, drafter))
-    with kernels:
+    use_kernels = generator.fast_cpu_linears and device.type == "cpu"
+    with cpu_kernels(target, drafter) if use_kernels else contextlib.nullcontext():
         try:
             # Prefill: the whole prompt through the target; the hooks keep the drafter's context features.
             if attention_mask is not None:
