@@ -70,8 +70,8 @@ def test_batch_with_untrained_drafter_and_processors():
     _assert_rows_match(out, prompts, singles)
 
 
-@pytest.mark.parametrize("rows_apart", [True, False])
-def test_prefill_with_or_without_the_padding_is_lossless(rows_apart, monkeypatch):
+@pytest.mark.parametrize("groups", [None, [[1], [2], [0], [3]], [[1, 2], [0, 3]]])
+def test_prefill_with_or_without_the_padding_is_lossless(groups, monkeypatch):
     from transformers_dflash import generation_dflash
 
     target = make_target("qwen3", dtype=torch.float32, eos_token_id=None)
@@ -81,31 +81,43 @@ def test_prefill_with_or_without_the_padding_is_lossless(rows_apart, monkeypatch
     kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=PAD)
     singles = [target.generate(p[None], **kwargs)[0] for p in prompts]
     calls = []
-    unpadded = generation_dflash._unpadded_prefill
-    monkeypatch.setattr(generation_dflash, "_prefill_rows_apart", lambda mask, target: rows_apart)
-    monkeypatch.setattr(generation_dflash, "_unpadded_prefill", lambda *args: calls.append(1) or unpadded(*args))
+    grouped = generation_dflash._grouped_prefill
+    monkeypatch.setattr(generation_dflash, "_prefill_groups", lambda mask, target: groups)
+    monkeypatch.setattr(generation_dflash, "_grouped_prefill", lambda *args: calls.append(1) or grouped(*args))
     ids, mask = _left_pad(prompts)
     out = target.generate(ids, attention_mask=mask, assistant_model=drafter, **kwargs)
     _assert_rows_match(out, prompts, singles)
-    assert len(calls) == (1 if rows_apart else 0)
+    assert len(calls) == (0 if groups is None else 1)
 
 
-def test_unpadded_prefill_lays_out_the_padded_prefills_cache():
+def test_prefill_groups_rule():
+    from transformers_dflash.generation_dflash import _prefill_groups
+
+    target = make_target("llama", dtype=torch.float32, eos_token_id=None)
+
+    def groups(lengths, model=target):
+        width = max(lengths)
+        mask = (torch.arange(width)[None] >= torch.tensor([width - n for n in lengths])[:, None]).long()
+        found = _prefill_groups(mask, model)
+        return found and [[lengths[r] for r in group] for group in found]
+
+    # The 16 MT-Bench prompts of the batched bench: 3 forwards over 1,638 slots instead of one over 4,576.
+    mtbench = [53, 60, 64, 90, 68, 106, 65, 54, 56, 59, 210, 286, 54, 69, 58, 49]
+    assert groups(mtbench) == [[286, 210], [106, 90, 69], [68, 65, 64, 60, 59, 58, 56, 54, 54, 53, 49]]
+    assert groups(mtbench[:8]) == [[106, 90, 68], [65, 64, 60, 54, 53]]  # 643 of 848 slots
+    assert groups(mtbench[:4]) is None  # 300 of 360 slots: not worth a forward more
+    assert groups([9]) is None and groups([5, 5, 5]) is None
+    assert groups(mtbench, make_target("mistral", dtype=torch.float32)) is None  # sliding window: padded prefill
+
+
+def test_grouped_prefill_lays_out_the_padded_prefills_cache():
     from transformers import DynamicCache
-    from transformers_dflash.generation_dflash import (
-        DFlashCandidateGenerator,
-        _cache_keyword,
-        _prefill_rows_apart,
-        _unpadded_prefill,
-    )
+    from transformers_dflash.generation_dflash import DFlashCandidateGenerator, _cache_keyword, _grouped_prefill
 
     target = make_target("llama", dtype=torch.float32, eos_token_id=None)
     drafter = make_drafter(target, block_size=4)
     g = torch.Generator().manual_seed(0)
-    ids, mask = _left_pad([torch.randint(3, VOCAB, (n,), generator=g) for n in (9, 3, 6)])
-    assert _prefill_rows_apart(mask, target)  # 18 tokens in 27 slots
-    assert not _prefill_rows_apart(mask[:1], target)
-    assert not _prefill_rows_apart(torch.ones(3, 10, dtype=torch.long).index_fill_(1, torch.tensor([0]), 0), target)
+    ids, mask = _left_pad([torch.randint(3, VOCAB, (n,), generator=g) for n in (9, 3, 6, 2)])
     keyword = _cache_keyword(target)
     generator = DFlashCandidateGenerator(drafter, target)
     with torch.no_grad():
@@ -114,12 +126,11 @@ def test_unpadded_prefill_lays_out_the_padded_prefills_cache():
         padded = target(input_ids=ids, attention_mask=mask, position_ids=positions, **{keyword: padded_cache})
         padded_features = generator.captured_features()
         cache = DynamicCache()
-        logits, features = _unpadded_prefill(target, keyword, generator, ids, mask, cache)
+        logits, features = _grouped_prefill(target, keyword, generator, ids, mask, [[2, 1], [0], [3]], cache)
     generator.close()
     valid = mask.bool()
     torch.testing.assert_close(logits[:, 0], padded.logits[:, -1], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(features[valid], padded_features[valid], rtol=1e-4, atol=1e-5)
-    assert (features[~valid] == 0).all()
     assert cache.get_seq_length() == padded_cache.get_seq_length() == ids.shape[1]
     for layer, padded_layer in zip(cache.layers, padded_cache.layers):
         for mine, theirs in ((layer.keys, padded_layer.keys), (layer.values, padded_layer.values)):
