@@ -5,7 +5,7 @@
 set -euo pipefail
 out=${1:-docs/benchmarks}
 threads=${THREADS:-2}
-# *_skinny rows attribute the speed to kernels: plain generate() and prompt lookup with the linear kernels DFlash
+# *_skinny rows attribute the speed to kernels: plain generate() and prompt lookup with the CPU kernels DFlash
 # verifies with (dflash_stock_linears, DFlash with stock kernels, is also available).
 # Held-out prompts, greedy, 256 new tokens: tau, speedup, ours vs the built-in path, prompt lookup and copied drafts.
 dflash bench --dataset mtbench --dataset humaneval --num-prompts "${NUM_PROMPTS:-3}" --max-new-tokens 256 \
