@@ -164,7 +164,7 @@ def packed_gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scal
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
     packed = query.reshape(batch, key.shape[1], groups * num_queries, head_dim)  # head h = kv_head * groups + g
-    mask = attention_mask.expand(batch, 1, num_queries, key.shape[2]).repeat(1, 1, groups, 1)
+    mask = attention_mask[..., : key.shape[2]].expand(batch, 1, num_queries, key.shape[2]).repeat(1, 1, groups, 1)
     output = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scaling)
     return output.reshape(batch, heads, num_queries, head_dim).transpose(1, 2).contiguous(), None
 
