@@ -129,6 +129,9 @@ def test_packed_gqa_attention_agrees_with_sdpa(num_queries, mask_batch):
         expected, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=0.3)
         assert got.shape == expected.shape == (2, num_queries, 6, 8)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    longer = torch.cat([mask, torch.zeros(mask_batch, 1, num_queries, 3, dtype=torch.bool)], dim=-1)
+    got, _ = packed_gqa_sdpa(module, query, key, value, longer, scaling=0.3)  # a mask sized for a longer cache
+    torch.testing.assert_close(got, sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)[0])
 
 
 def test_packed_gqa_context_switches_attention_modules_only_and_restores_them(monkeypatch):
