@@ -126,7 +126,12 @@ def test_grouped_prefill_lays_out_the_padded_prefills_cache():
         padded = target(input_ids=ids, attention_mask=mask, position_ids=positions, **{keyword: padded_cache})
         padded_features = generator.captured_features()
         cache = DynamicCache()
-        logits, features = _grouped_prefill(target, keyword, generator, ids, mask, [[2, 1], [0], [3]], cache)
+
+        def target_forward(ids, position_ids, mask, keep, into):
+            kwargs = dict(position_ids=position_ids, attention_mask=mask, logits_to_keep=keep, **{keyword: into})
+            return target(input_ids=ids, use_cache=True, **kwargs).logits
+
+        logits, features = _grouped_prefill(target_forward, generator, ids, mask, [[2, 1], [0], [3]], cache)
     generator.close()
     valid = mask.bool()
     torch.testing.assert_close(logits[:, 0], padded.logits[:, -1], rtol=1e-4, atol=1e-5)

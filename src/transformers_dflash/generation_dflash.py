@@ -884,14 +884,14 @@ def dflash_decoding(
     row_scores = [[] for _ in range(batch)] if keep_scores else None
     row_logits = [[] for _ in range(batch)] if keep_logits else None
 
-    def target_forward(ids, position_ids, mask, keep):
+    def target_forward(ids, position_ids, mask, keep, into=cache):
         return target(
             input_ids=ids,
             position_ids=position_ids,
             attention_mask=mask,
             use_cache=True,
             logits_to_keep=keep,
-            **{cache_kwarg: cache},
+            **{cache_kwarg: into},
         ).logits
 
     def commit(active, choices, num_new, stopped, raw, processed):
@@ -925,7 +925,7 @@ def dflash_decoding(
                 mask = None
             groups = _prefill_groups(mask, target) if mask is not None else None
             if groups is not None:
-                raw, prompt_features = _grouped_prefill(target, cache_kwarg, generator, input_ids, mask, groups, cache)
+                raw, prompt_features = _grouped_prefill(target_forward, generator, input_ids, mask, groups, cache)
             else:
                 raw = target_forward(input_ids, position_ids, mask, 1)[:, -1:]
                 prompt_features = generator.captured_features()
@@ -1062,9 +1062,10 @@ def _prefill_groups(mask: torch.Tensor, target: nn.Module) -> list[list[int]] | 
     return groups if slots <= 0.8 * mask.numel() else None  # a forward more must save a fifth of the slots
 
 
-def _grouped_prefill(target, cache_kwarg, generator, input_ids, mask, groups, cache):
+def _grouped_prefill(target_forward, generator, input_ids, mask, groups, cache):
     """Prefill each group of rows (`_prefill_groups`) in its own forward, cut to its longest prompt, then lay the
-    groups' caches and features out as one left-padded batch.
+    groups' caches and features out as one left-padded batch. `target_forward(ids, position_ids, mask, keep, into)`
+    runs the target into the cache `into` and returns its logits.
 
     Gives the same cache layout as a padded prefill of the whole batch (padding slots stay masked; those beyond a
     group's width hold zeros). Returns the last position's logits `[batch, 1, vocab]` and the drafter's context
@@ -1079,15 +1080,10 @@ def _grouped_prefill(target, cache_kwarg, generator, input_ids, mask, groups, ca
         width = int(mask[index].sum(-1).max())
         group_mask = mask[index, prompt_len - width :]
         group_cache = DynamicCache()
-        out = target(
-            input_ids=input_ids[index, prompt_len - width :],
-            position_ids=(group_mask.cumsum(-1) - 1).clamp(min=0),
-            attention_mask=None if bool(group_mask.all()) else group_mask,
-            use_cache=True,
-            logits_to_keep=1,
-            **{cache_kwarg: group_cache},
-        )
-        logits.append(out.logits[:, -1:])
+        position_ids = (group_mask.cumsum(-1) - 1).clamp(min=0)
+        group_attention = None if bool(group_mask.all()) else group_mask
+        ids = input_ids[index, prompt_len - width :]
+        logits.append(target_forward(ids, position_ids, group_attention, 1, group_cache)[:, -1:])
         features.append(generator.captured_features())
         group_caches.append(group_cache)
     order = torch.tensor([r for rows in groups for r in rows], device=input_ids.device).argsort()
