@@ -111,6 +111,7 @@ def build_models(shape, drafter_layers, block_size, dtype, device, attn):
     target.generation_config.pad_token_id = 0
     torch.manual_seed(1)
     drafter = DFlashDraftModel.from_target(target, num_layers=drafter_layers, block_size=block_size).eval()
+    drafter.draft_length, drafter.ngram_lookup = "full", 0  # every block verified whole: the step the paper measures
     drafter.config._attn_implementation = attn
     return target, drafter
 
@@ -212,19 +213,20 @@ class AcceptancePlan:
 @contextlib.contextmanager
 def emulate_acceptance(tau, block_size, vocab):
     """Patch the decoding loop so that each verification step accepts k drafts, k following `AcceptancePlan(tau)`:
-    the drafter and the target run for real; after the target's greedy choices are computed (`_choose`), the first
+    the drafter and the target run for real; after the target's greedy choices are computed (`choose_tokens`), the first
     k are replaced by the drafts of that step and choice k is made to differ from draft k."""
-    import transformers_dflash.generation_dflash as gd
+    from transformers_dflash import candidate_generator, decoding
 
     plan = AcceptancePlan(tau, block_size - 1)
     pending = []
-    original_draft, original_choose = gd.DFlashCandidateGenerator.draft, gd._choose
+    generator_class = candidate_generator.DFlashCandidateGenerator
+    original_draft, original_choose = generator_class.draft, decoding.choose_tokens
 
     @functools.wraps(original_draft)
     def draft(self, *args, **kwargs):
-        drafts = original_draft(self, *args, **kwargs)
+        drafts, confidence = original_draft(self, *args, **kwargs)
         pending[:] = [drafts]
-        return drafts
+        return drafts, confidence
 
     @functools.wraps(original_choose)
     def choose(processed, do_sample):
@@ -241,11 +243,11 @@ def emulate_acceptance(tau, block_size, vocab):
             choices[:, k] = torch.where(clash, (drafts[:, k] + 1) % vocab, choices[:, k])
         return choices
 
-    gd.DFlashCandidateGenerator.draft, gd._choose = draft, choose
+    generator_class.draft, decoding.choose_tokens = draft, choose
     try:
         yield
     finally:
-        gd.DFlashCandidateGenerator.draft, gd._choose = original_draft, original_choose
+        generator_class.draft, decoding.choose_tokens = original_draft, original_choose
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -82,11 +82,22 @@ class Oracle:
         self.calls = 0
 
     def install(self, monkeypatch):
+        """Patch the proposals in. A drafter left at the device's default settings verifies whole blocks without copied
+        drafts while the oracle is in (the partial accepts it is there to exercise); explicit settings are kept."""
+        from transformers_dflash import candidate_generator
+
+        policy, lookup = candidate_generator.draft_length_policy, candidate_generator.ngram_lookup_for
+        monkeypatch.setattr(
+            candidate_generator, "draft_length_policy", lambda s, device: policy("full" if s is None else s, device)
+        )
+        monkeypatch.setattr(
+            candidate_generator, "ngram_lookup_for", lambda s, size, device: lookup(0 if s is None else s, size, device)
+        )
         original = DFlashCandidateGenerator.draft
         oracle = self
 
         def draft(generator, anchor_ids, anchor_position_ids, *args, **kwargs):
-            drafts = original(generator, anchor_ids, anchor_position_ids, *args, **kwargs)
+            drafts, confidence = original(generator, anchor_ids, anchor_position_ids, *args, **kwargs)
             oracle.calls += 1
             for row in range(drafts.shape[0]):
                 key = (int(anchor_position_ids[row]), int(anchor_ids[row]))
@@ -96,7 +107,7 @@ class Oracle:
                 if torch.rand((), generator=oracle.generator) < oracle.corrupt:
                     j = int(torch.randint(0, drafts.shape[1], (), generator=oracle.generator))
                     drafts[row, j] = (drafts[row, j] + 1) % VOCAB
-            return drafts
+            return drafts, confidence
 
         monkeypatch.setattr(DFlashCandidateGenerator, "draft", draft)
         return self

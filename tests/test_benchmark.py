@@ -106,7 +106,7 @@ def test_prompt_selection_and_draft_length_parsing():
     assert bench.select_prompts(list("abcdefghij"), 3, "first") == ([0, 1, 2], ["a", "b", "c"])
     assert bench.select_prompts(list("abcdefghij"), 3, "spread") == ([0, 3, 6], ["a", "d", "g"])
     assert bench.select_prompts(list("abc"), 5)[0] == [0, 1, 2]
-    assert bench.parse_draft_length("auto") == "auto" and bench.parse_draft_length("none") is None
+    assert bench.parse_draft_length("auto") == "auto" and bench.parse_draft_length("none") == "full"
     assert bench.parse_draft_length("0.4") == 0.4
     with pytest.raises(ValueError):
         bench.parse_draft_length("1.5")

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModel
 
 from transformers_dflash import DFlashConfig, DFlashDraftModel
+from transformers_dflash.code_files import code_files
 from transformers_dflash.configuration_dflash import default_target_layer_ids
 
 
@@ -21,16 +22,17 @@ def test_save_pretrained_writes_a_self_contained_hub_folder(tmp_path):
     drafter = make_drafter(target)
     drafter.save_pretrained(tmp_path)
     files = set(os.listdir(tmp_path))
-    assert {"config.json", "model.safetensors", "configuration_dflash.py", "modeling_dflash.py",
-            "generation_dflash.py"} <= files
+    core = [path.name for path in code_files()]
+    assert core[0] == "dflash.py" and {"modeling_dflash.py", "configuration_dflash.py", "decoding.py"} <= set(core)
+    assert {"config.json", "model.safetensors", *core} <= files
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["auto_map"] == {
         "AutoConfig": "configuration_dflash.DFlashConfig",
-        "AutoModel": "modeling_dflash.DFlashDraftModel",
+        "AutoModel": "dflash.DFlashDraftModel",
     }
     assert config["dflash_config"] == {"block_size": 4, "mask_token_id": 95, "target_layer_ids": [0, 1, 2]}
     # The copied code imports only torch and transformers (and its sibling files).
-    for name in ("configuration_dflash.py", "modeling_dflash.py", "generation_dflash.py"):
+    for name in core:
         for line in (tmp_path / name).read_text().splitlines():
             if line.startswith(("import ", "from ")):
                 top = line.split()[1].split(".")[0]

@@ -303,9 +303,8 @@ def test_real_smollm2():
 
 
 def test_demo_draft_length_option():
-    assert cli.parse_demo_draft_length(None, "cpu") == "auto"
-    assert cli.parse_demo_draft_length(None, "cuda") is None
-    assert cli.parse_demo_draft_length("full", "cpu") is None
+    assert cli.parse_demo_draft_length(None, "cpu") is None  # the drafter's default for the device
+    assert cli.parse_demo_draft_length("full", "cpu") == "full"
     assert cli.parse_demo_draft_length("0.4", "cpu") == 0.4
     with pytest.raises(SystemExit, match="--draft-length"):
         cli.parse_demo_draft_length("often", "cpu")
@@ -324,4 +323,4 @@ def test_demo_ngram_lookup_option(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert drafter.ngram_lookup == 2 and "2-gram lookup" in out and "outputs identical: yes" in out
     with pytest.raises(SystemExit, match="--ngram-lookup"):
-        cli.main(args + ["--ngram-lookup", "0"])
+        cli.main(args + ["--ngram-lookup", "-1"])

@@ -8,7 +8,7 @@ from torch.nn import functional as F
 
 from conftest import VOCAB, make_drafter, make_target, random_prompt
 from transformers_dflash import DFlashDraftModel
-from transformers_dflash.generation_dflash import DFlashCandidateGenerator
+from transformers_dflash import DFlashCandidateGenerator
 from transformers_dflash.training import (
     TrainingConfig,
     cache_context_features,
@@ -39,9 +39,9 @@ def test_reduced_vocabulary_is_lossless_and_drafts_only_its_tokens(monkeypatch):
     original = DFlashCandidateGenerator.draft
 
     def recording(self, *args, **kwargs):
-        out = original(self, *args, **kwargs)
+        out, confidence = original(self, *args, **kwargs)
         drafted.extend(out.flatten().tolist())
-        return out
+        return out, confidence
 
     monkeypatch.setattr(DFlashCandidateGenerator, "draft", recording)
     for seed in range(3):
@@ -68,7 +68,7 @@ def test_reduced_vocabulary_drafts_the_best_token_of_the_subset():
         prompt = random_prompt(8, seed=1)
         target(prompt)
         features = generator.captured_features()
-        drafts = generator.draft(prompt[:, -1], torch.tensor([7]), features[:, :7], torch.arange(7)[None])
+        drafts, _ = generator.draft(prompt[:, -1], torch.tensor([7]), features[:, :7], torch.arange(7)[None])
         # Reference: the full-vocabulary logits, restricted to the subset by hand.
         full = DFlashCandidateGenerator(make_drafter(target, block_size=4), target)
         full.drafter.load_state_dict({k: v for k, v in drafter.state_dict().items() if k != "draft_vocab_ids"})

@@ -72,7 +72,7 @@ def test_batch_with_untrained_drafter_and_processors():
 
 @pytest.mark.parametrize("groups", [None, [[1], [2], [0], [3]], [[1, 2], [0, 3]]])
 def test_prefill_with_or_without_the_padding_is_lossless(groups, monkeypatch):
-    from transformers_dflash import generation_dflash
+    from transformers_dflash import decoding
 
     target = make_target("qwen3", dtype=torch.float32, eos_token_id=None)
     drafter = make_drafter(target, block_size=4)
@@ -81,9 +81,9 @@ def test_prefill_with_or_without_the_padding_is_lossless(groups, monkeypatch):
     kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=PAD)
     singles = [target.generate(p[None], **kwargs)[0] for p in prompts]
     calls = []
-    grouped = generation_dflash._grouped_prefill
-    monkeypatch.setattr(generation_dflash, "_prefill_groups", lambda mask, target: groups)
-    monkeypatch.setattr(generation_dflash, "_grouped_prefill", lambda *args: calls.append(1) or grouped(*args))
+    grouped = decoding.grouped_prefill
+    monkeypatch.setattr(decoding, "prefill_groups", lambda mask, target: groups)
+    monkeypatch.setattr(decoding, "grouped_prefill", lambda *args: calls.append(1) or grouped(*args))
     ids, mask = _left_pad(prompts)
     out = target.generate(ids, attention_mask=mask, assistant_model=drafter, **kwargs)
     _assert_rows_match(out, prompts, singles)
@@ -91,14 +91,14 @@ def test_prefill_with_or_without_the_padding_is_lossless(groups, monkeypatch):
 
 
 def test_prefill_groups_rule():
-    from transformers_dflash.generation_dflash import _prefill_groups
+    from transformers_dflash.prefill import prefill_groups
 
     target = make_target("llama", dtype=torch.float32, eos_token_id=None)
 
     def groups(lengths, model=target):
         width = max(lengths)
         mask = (torch.arange(width)[None] >= torch.tensor([width - n for n in lengths])[:, None]).long()
-        found = _prefill_groups(mask, model)
+        found = prefill_groups(mask, model)
         return found and [[lengths[r] for r in group] for group in found]
 
     # The 16 MT-Bench prompts of the batched bench: 3 forwards over 1,638 slots instead of one over 4,576.
@@ -112,13 +112,15 @@ def test_prefill_groups_rule():
 
 def test_grouped_prefill_lays_out_the_padded_prefills_cache():
     from transformers import DynamicCache
-    from transformers_dflash.generation_dflash import DFlashCandidateGenerator, _cache_keyword, _grouped_prefill
+    from transformers_dflash import DFlashCandidateGenerator
+    from transformers_dflash.prefill import grouped_prefill
+    from transformers_dflash.target_model import cache_keyword
 
     target = make_target("llama", dtype=torch.float32, eos_token_id=None)
     drafter = make_drafter(target, block_size=4)
     g = torch.Generator().manual_seed(0)
     ids, mask = _left_pad([torch.randint(3, VOCAB, (n,), generator=g) for n in (9, 3, 6, 2)])
-    keyword = _cache_keyword(target)
+    keyword = cache_keyword(target)
     generator = DFlashCandidateGenerator(drafter, target)
     with torch.no_grad():
         padded_cache = DynamicCache()
@@ -131,7 +133,7 @@ def test_grouped_prefill_lays_out_the_padded_prefills_cache():
             kwargs = dict(position_ids=position_ids, attention_mask=mask, logits_to_keep=keep, **{keyword: into})
             return target(input_ids=ids, use_cache=True, **kwargs).logits
 
-        logits, features = _grouped_prefill(target_forward, generator, ids, mask, [[2, 1], [0], [3]], cache)
+        logits, features = grouped_prefill(target_forward, generator, ids, mask, [[2, 1], [0], [3]], cache)
     generator.close()
     valid = mask.bool()
     torch.testing.assert_close(logits[:, 0], padded.logits[:, -1], rtol=1e-4, atol=1e-5)
@@ -175,12 +177,13 @@ def test_adaptive_draft_length_is_lossless(draft_length, oracle):
 
 
 def test_draft_length_policy_rules():
-    from transformers_dflash.generation_dflash import DraftLengthPolicy
+    from transformers_dflash.draft_length import AutoDraftLength, ConfidenceThreshold, draft_length_policy
 
     confidence = torch.tensor([[0.9, 0.9, 0.5, 0.9], [0.95, 0.2, 0.9, 0.9]])  # cumulative: .9 .81 .405 .36 / .95 .19
-    assert DraftLengthPolicy(threshold=0.5).num_to_verify(confidence) == 2  # the widest row wins
-    assert DraftLengthPolicy(threshold=0.95).num_to_verify(confidence) == 1
-    auto = DraftLengthPolicy(auto=True)
+    drafts = torch.zeros(2, 4, dtype=torch.long)
+    assert ConfidenceThreshold(0.5).trim(drafts, confidence).shape[1] == 2  # the widest row wins
+    assert ConfidenceThreshold(0.95).trim(drafts, confidence).shape[1] == 1
+    auto = AutoDraftLength()
     assert auto.num_to_verify(confidence) == 1  # explores one draft first...
     assert auto.wants_draft()
     auto.record(2, 0.4)  # 0.2 s per verified token on top of 0 s: verification cost dominates
@@ -191,13 +194,13 @@ def test_draft_length_policy_rules():
     assert auto.step_costs(5) == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0])  # measured where it can, else the line
     auto.record(5, 0.5)  # a measured width replaces the line's guess, widths in between are interpolated
     assert auto.step_costs(5) == pytest.approx([0.2, 0.4, 0.4333, 0.4667, 0.5], abs=1e-3)
-    cheap = DraftLengthPolicy(auto=True)
+    cheap = AutoDraftLength()
     cheap.record(2, 1.0)
     cheap.record(1, 0.99)  # nearly free extra tokens (a GPU): verify everything, untried widths included
     assert cheap.num_to_verify(confidence) == 4
     # A large batch: one more token per row costs as much as the step. Even confident drafts are not worth it, and
     # the full block is never tried (it would cost five plain steps just to learn that).
-    large = DraftLengthPolicy(auto=True)
+    large = AutoDraftLength()
     large.record(2, 2.0)
     large.record(1, 1.0)
     assert large.num_to_verify(torch.full((1, 4), 0.9)) == 0
@@ -206,14 +209,14 @@ def test_draft_length_policy_rules():
     large.record(1, 1.0, draft_seconds=0.1)
     assert large.num_to_verify(torch.full((1, 4), 0.99)) >= 1  # 1.99 tokens in 2.1 s > 1 in 1.1 s (not in 17 s)
     # A CPU: one token is cheap, two to five cost the same. Confident drafts are worth it, doubtful ones are not.
-    cpu = DraftLengthPolicy(auto=True)
+    cpu = AutoDraftLength()
     for width, seconds in ((5, 1.7), (2, 1.7), (1, 1.0)):
         cpu.record(width, seconds)
     assert cpu.num_to_verify(confidence) == 4  # row 0: 1 + .9 + .81 + .41 + .36 = 3.5 tokens in 1.7 s > 1 in 1.0
     doubtful = torch.tensor([[0.3, 0.3, 0.3, 0.3]])
     assert cpu.num_to_verify(doubtful) == 0  # 1.43 tokens in 1.7 s < 1 token in 1.0 s: a plain step
     # A batch shares the forward: one confident row does not make the doubtful rows' drafts worth verifying.
-    batch = DraftLengthPolicy(auto=True)
+    batch = AutoDraftLength()
     for width, seconds in ((5, 2.5), (2, 2.5), (1, 1.0)):
         batch.record(width, seconds)
     rows = torch.tensor([[0.99] * 4, [0.01] * 4, [0.01] * 4])
@@ -228,16 +231,20 @@ def test_draft_length_policy_rules():
     assert pattern == [False, True, False, False, True]
     assert batch.num_to_verify(rows[:1]) == 4  # a confident batch: 4.9 tokens in 3 s > 1 token in 1 s
     assert all(batch.wants_draft() for _ in range(3))
-    assert all(DraftLengthPolicy(threshold=0.5).wants_draft() for _ in range(3))  # only "auto" skips
-    with pytest.raises(ValueError, match="draft_length"):
-        DraftLengthPolicy.from_setting(1.5)
+    assert all(ConfidenceThreshold(0.5).wants_draft() for _ in range(3))  # only "auto" skips
+    for bad in (1.5, True, "fast"):
+        with pytest.raises(ValueError, match="draft_length"):
+            draft_length_policy(bad)
+    assert type(draft_length_policy(None, "cpu")) is AutoDraftLength  # the measured CPU default
+    assert type(draft_length_policy(None, "meta")).__name__ == "FullBlock"  # accelerators verify whole blocks
 
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_skipped_drafts_keep_the_drafters_context(batch, monkeypatch):
     """When "auto" skips the drafter, the skipped steps' target features still reach its next context: the drafts
     it then proposes equal those of a run that drafted every step (float64, so only rounding could differ)."""
-    from transformers_dflash.generation_dflash import DFlashCandidateGenerator, DraftLengthPolicy
+    from transformers_dflash import DFlashCandidateGenerator
+    from transformers_dflash.draft_length import ConfidenceThreshold
 
     target = make_target("qwen3", dtype=torch.float64, eos_token_id=None)
     drafter = make_drafter(target, block_size=4, seed=7)
@@ -252,17 +259,17 @@ def test_skipped_drafts_keep_the_drafters_context(batch, monkeypatch):
     recorded = {}
 
     def recording_draft(generator, anchor_ids, anchor_position_ids, *args, **kw):
-        drafts = original_draft(generator, anchor_ids, anchor_position_ids, *args, **kw)
+        drafts, confidence = original_draft(generator, anchor_ids, anchor_position_ids, *args, **kw)
         for row, position in enumerate(anchor_position_ids.tolist()):
             recorded[(row, position)] = drafts[row].tolist()
-        return drafts
+        return drafts, confidence
 
     monkeypatch.setattr(DFlashCandidateGenerator, "draft", recording_draft)
-    drafter.draft_length = 0.0  # a policy that verifies every draft...
+    drafter.draft_length, drafter.ngram_lookup = 0.0, 0  # a policy that verifies every draft, no copies...
     assert torch.equal(target.generate(input_ids, assistant_model=drafter, **kwargs), expected)
     every_step, recorded = recorded, {}
     calls = iter(range(1000))
-    monkeypatch.setattr(DraftLengthPolicy, "wants_draft", lambda self: next(calls) % 3 == 0)  # ...skips 2 of 3
+    monkeypatch.setattr(ConfidenceThreshold, "wants_draft", lambda self: next(calls) % 3 == 0)  # ...skips 2 of 3
     assert torch.equal(target.generate(input_ids, assistant_model=drafter, **kwargs), expected)
     drafter.draft_length = None
     common = set(recorded) & set(every_step)
@@ -276,7 +283,7 @@ def _repetitive_prompt(batch, length=24, seed=0):
     return motif.repeat(1, length // 5 + 1)[:, :length]
 
 
-@pytest.mark.parametrize("draft_length", [None, 0.3, "auto"])
+@pytest.mark.parametrize("draft_length", ["full", 0.3, "auto"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_ngram_lookup_is_lossless_and_accepted(draft_length, batch):
     """Copied drafts (drafter.ngram_lookup) are verified like any other: the output stays plain generate()'s, and
@@ -290,18 +297,18 @@ def test_ngram_lookup_is_lossless_and_accepted(draft_length, batch):
     expected = target.generate(prompt, **kwargs)
     drafter.draft_length = draft_length
     accepted = {}
-    for lookup in (None, 2):
+    for lookup in (0, 2):
         drafter.ngram_lookup = lookup
         assert torch.equal(target.generate(prompt, assistant_model=drafter, **kwargs), expected)
         rows = drafter.last_acceptance_lengths if batch > 1 else [drafter.last_acceptance_lengths]
         accepted[lookup] = sum(sum(row) - len(row) for row in rows)  # accepted drafts, all rows
     drafter.ngram_lookup, drafter.draft_length = None, None
     if draft_length != "auto":  # "auto" may rightly decline to verify on a machine where width costs
-        assert accepted[2] > accepted[None]
+        assert accepted[2] > accepted[0]
 
 
 def test_ngram_lookup_continuation_and_bad_setting():
-    from transformers_dflash.generation_dflash import NgramLookup
+    from transformers_dflash.ngram_lookup import NgramLookup
 
     lookup = NgramLookup(2, block_size=4)
     tokens = torch.tensor([5, 6, 7, 8, 5, 6, 9, 5, 6])

@@ -254,7 +254,7 @@ def test_half_precision_drafter_next_to_float32_target_warns_once_and_stays_loss
     """A bfloat16 drafter (the shipped weights' dtype) with a float32 target on CPU drafts slowly: say so, once."""
     import logging
 
-    from transformers_dflash import generation_dflash
+    from transformers_dflash import candidate_generator as generation_dflash
 
     monkeypatch.setattr(generation_dflash, "_warned_dtypes", set())
     target = make_target("llama", dtype=torch.float32)

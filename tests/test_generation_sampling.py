@@ -89,18 +89,19 @@ def test_sampling_matches_target_distribution(setup, proposals, monkeypatch):
     target, prompt, probs = setup
     drafter = make_drafter(target, block_size=4)
     if proposals != "untrained":
+        drafter.draft_length, drafter.ngram_lookup = "full", 0  # every proposal below is verified
         original = DFlashCandidateGenerator.draft
 
         def draft(self, anchor_ids, anchor_position_ids, *args, **kwargs):
-            drafts = original(self, anchor_ids, anchor_position_ids, *args, **kwargs)
+            drafts, confidence = original(self, anchor_ids, anchor_position_ids, *args, **kwargs)
             if proposals == "fixed":
-                return torch.full_like(drafts, 2)
+                return torch.full_like(drafts, 2), confidence
             # the target's most likely continuation given the anchor: accepted often, rejected often
             ids = torch.cat([prompt.repeat(anchor_ids.shape[0], 1), anchor_ids[:, None]], dim=1)
             for k in range(drafts.shape[1]):
                 drafts[:, k] = target(ids).logits[:, -1].argmax(-1)
                 ids = torch.cat([ids, drafts[:, k : k + 1]], dim=1)
-            return drafts
+            return drafts, confidence
 
         monkeypatch.setattr(DFlashCandidateGenerator, "draft", draft)
     counts = _sample_counts(target, prompt, assistant_model=drafter)

@@ -10,7 +10,7 @@ from conftest import ARCHITECTURES, PAD, make_drafter, make_target, random_promp
 from torch import nn
 from torch.nn import functional as F
 
-from transformers_dflash.generation_dflash import skinny_linear, skinny_linears
+from transformers_dflash.kernels import skinny_linear, skinny_linears
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -88,7 +88,7 @@ def test_float32_greedy_is_lossless_with_either_kernel(arch, fast, oracle):
 
 
 def test_decoding_uses_the_kernel_only_when_enabled(monkeypatch):
-    import transformers_dflash.generation_dflash as generation
+    import transformers_dflash.kernels as generation
 
     calls = []
     original = generation.skinny_linear
@@ -116,7 +116,7 @@ class _GroupedAttention(nn.Module):
 def test_packed_gqa_attention_agrees_with_sdpa(num_queries, mask_batch):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from transformers_dflash.generation_dflash import packed_gqa_sdpa
+    from transformers_dflash.kernels import packed_gqa_sdpa
 
     torch.manual_seed(0)
     module = _GroupedAttention().eval()
@@ -135,8 +135,8 @@ def test_packed_gqa_attention_agrees_with_sdpa(num_queries, mask_batch):
 
 
 def test_packed_gqa_context_switches_attention_modules_only_and_restores_them(monkeypatch):
-    import transformers_dflash.generation_dflash as generation
-    from transformers_dflash.generation_dflash import packed_gqa_attention
+    import transformers_dflash.kernels as generation
+    from transformers_dflash.kernels import packed_gqa_attention
 
     calls = []
     original = generation.packed_gqa_sdpa
@@ -161,7 +161,7 @@ def test_packed_gqa_context_switches_attention_modules_only_and_restores_them(mo
 
 
 def test_decoding_uses_packed_attention_with_the_kernels_only(monkeypatch):
-    import transformers_dflash.generation_dflash as generation
+    import transformers_dflash.kernels as generation
 
     calls = []
     original = generation.packed_gqa_sdpa

@@ -11,7 +11,7 @@ from torch.nn import functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from transformers_dflash import DFlashDraftModel
-from transformers_dflash.generation_dflash import DFlashCandidateGenerator
+from transformers_dflash import DFlashCandidateGenerator
 from transformers_dflash.training import (
     TrainingConfig,
     add_train_arguments,

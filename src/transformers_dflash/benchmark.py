@@ -48,7 +48,7 @@ from typing import Any
 
 DEFAULT_METHODS = ("baseline", "dflash", "dflash_adaptive", "builtin_dflash", "prompt_lookup")
 # The *_skinny / dflash_stock_linears methods attribute speed to kernels: every method with the same CPU kernels
-# (`generation_dflash.cpu_kernels`: skinny linears and packed grouped-query attention).
+# (`kernels.cpu_kernels`: skinny linears and packed grouped-query attention).
 OPTIONAL_METHODS = (
     "dflash_lookup", "early_exit", "assistant", "baseline_skinny", "prompt_lookup_skinny", "dflash_stock_linears"
 )
@@ -68,7 +68,7 @@ METHOD_LABELS = {
 BATCH_METHODS = ("baseline", "dflash", "dflash_adaptive", "dflash_lookup", "baseline_skinny", "dflash_stock_linears")
 PLAIN_METHODS = ("baseline", "baseline_skinny")  # no drafter: tau is 1 by definition
 BUILTIN_DRAFTER_RENAMES = {"fc.weight": "encoder.fc.weight", "hidden_norm.weight": "encoder.output_norm_enc.weight"}
-SHIPPED_DRAFTER = Path(__file__).resolve().parent / "drafters" / "smollm2-135m-instruct"
+from .smollm2 import SHIPPED_DRAFTER  # noqa: E402
 
 UNTRAINED_NOTE = (
     "The drafter is UNTRAINED (random weights): almost no draft is accepted, so tau is near 1 and both DFlash paths "
@@ -462,8 +462,9 @@ def drafter_setting(drafter, name: str, value, default):
 
 
 def draft_length(drafter, setting):
-    """Temporarily set `drafter.draft_length` (None: verify the whole block; a threshold; "auto")."""
-    return drafter_setting(drafter, "draft_length", setting, None)
+    """Temporarily set `drafter.draft_length` ("full": verify the whole block; a threshold; "auto"; None: the device's
+    default)."""
+    return drafter_setting(drafter, "draft_length", setting, "full")
 
 
 def fast_cpu_linears(drafter, enabled: bool):
@@ -472,14 +473,14 @@ def fast_cpu_linears(drafter, enabled: bool):
 
 
 def ngram_lookup(drafter, size):
-    """Temporarily set `drafter.ngram_lookup` (None: off)."""
-    return drafter_setting(drafter, "ngram_lookup", size, None)
+    """Temporarily set `drafter.ngram_lookup` (0: off; None: the device's default)."""
+    return drafter_setting(drafter, "ngram_lookup", size, 0)
 
 
 def parse_draft_length(text):
-    """`--draft-length` values: "auto", "none" or a confidence threshold in [0, 1]."""
-    if text is None or str(text).lower() == "none":
-        return None
+    """`--draft-length` values: "auto", "full" (or "none": the whole block) or a confidence threshold in [0, 1]."""
+    if text is None or str(text).lower() in ("none", "full"):
+        return "full"
     if str(text).lower() == "auto":
         return "auto"
     value = float(text)
@@ -491,7 +492,7 @@ def parse_draft_length(text):
 def _with_cpu_kernels(target, generate: Callable) -> Callable:
     """`generate` with the CPU kernels DFlash decoding uses (`cpu_kernels`: skinny linears, packed attention)."""
 
-    from .generation_dflash import cpu_kernels
+    from .kernels import cpu_kernels
 
     def wrapped(ids, kw):
         with cpu_kernels(target):
@@ -525,7 +526,7 @@ def build_methods(
     """The requested methods that can run here, and `{name: reason}` for those that cannot."""
     methods, skipped = [], {}
 
-    def dflash_generate(setting, fast_linears=True, lookup=None):
+    def dflash_generate(setting, fast_linears=True, lookup=0):
         def generate(ids, kw):
             with draft_length(drafter, setting), fast_cpu_linears(drafter, fast_linears), ngram_lookup(drafter, lookup):
                 out = target.generate(ids, assistant_model=drafter, **kw)
@@ -565,7 +566,7 @@ def build_methods(
                 skipped[name] = "no drafter given" if drafter is None else "this drafter's code has no fast_cpu_linears"
                 continue
             methods.append(
-                Method(name, METHOD_LABELS[name], dflash_generate(None, fast_linears=False),
+                Method(name, METHOD_LABELS[name], dflash_generate("full", fast_linears=False),
                        f"block {drafter.config.block_size}, fast_cpu_linears=False")
             )
         elif name == "dflash":
@@ -573,7 +574,7 @@ def build_methods(
                 skipped[name] = "no drafter given"
                 continue
             block = f"block {drafter.config.block_size}"
-            methods.append(Method(name, METHOD_LABELS[name], dflash_generate(None), block))
+            methods.append(Method(name, METHOD_LABELS[name], dflash_generate("full"), block))
         elif name == "dflash_adaptive":
             if drafter is None:
                 skipped[name] = "no drafter given"
@@ -637,7 +638,7 @@ def build_methods(
 
 
 def _num_target_layers(target) -> int:
-    from .generation_dflash import text_config
+    from .target_model import text_config
 
     config = text_config(target.config)
     return int(config.num_hidden_layers)
@@ -648,17 +649,23 @@ def _num_target_layers(target) -> int:
 # ======================================================================================================================
 
 
+def core_module(drafter, name: str):
+    """The core file `name` of the copy of the core that `drafter`'s class comes from (ours, or a checkpoint's
+    own under trust_remote_code)."""
+    package = sys.modules[type(drafter).__module__].__package__
+    return sys.modules[f"{package}.{name}"]
+
+
 @contextlib.contextmanager
 def _record_our_drafts(drafter, store: list):
-    module = sys.modules[type(drafter).__module__]
-    generator_class = module.DFlashCandidateGenerator
+    generator_class = core_module(drafter, "candidate_generator").DFlashCandidateGenerator
     original = generator_class.draft
 
     @functools.wraps(original)
     def draft(self, *args, **kwargs):
-        drafts = original(self, *args, **kwargs)
+        drafts, confidence = original(self, *args, **kwargs)
         store.append(drafts[0].tolist())
-        return drafts
+        return drafts, confidence
 
     generator_class.draft = draft
     try:
@@ -680,7 +687,8 @@ def compare_drafts(target, drafter, builtin_drafter, input_ids, max_new_tokens: 
     kwargs = dict(attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False)
     kwargs.update(generate_kwargs)
     ours: list[list[int]] = []
-    with torch.inference_mode(), _record_our_drafts(drafter, ours), draft_length(drafter, None):
+    with torch.inference_mode(), _record_our_drafts(drafter, ours), draft_length(drafter, "full"), \
+            ngram_lookup(drafter, 0):
         ours_out = target.generate(input_ids, assistant_model=drafter, **kwargs)
     ours_acceptance = list(drafter.last_acceptance_lengths)
     recorder = _AssistedRecorder(record_drafts=True)
@@ -718,8 +726,8 @@ class StepProfiler:
       `DFlashTokenCandidateGenerator.get_candidates`), drafter forward + LM head on the block + bookkeeping;
     - `target_forward`: the target's `forward` (the first call is the prefill, the others verify blocks);
     - `cache_crop`: `DynamicCache.crop` (target cache; the built-in drafter's cache is one too);
-    - `accept_commit`: ours only: logits processing, choices and stopping checks (`_apply_processors`, `_choose`,
-      `_stop_lengths`);
+    - `accept_commit`: ours only: logits processing, choices and stopping checks (`process_logits`, `choose_tokens`,
+      `stop_lengths`, as the decoding loop calls them);
     - everything else in the call is `other` (Python in the decoding loop and in `generate()`).
 
     Times are exclusive (a wrapped call inside another counts once, for the inner one). On CUDA every boundary
@@ -770,11 +778,10 @@ class StepProfiler:
         self._wrap(type(self.target), "forward", "target_forward")
         self._wrap(DynamicCache, "crop", "cache_crop")
         if self.kind == "dflash":
-            generation = sys.modules[sys.modules[type(self.drafter).__module__].DFlashCandidateGenerator.__module__]
-            self._wrap(generation.DFlashCandidateGenerator, "draft", "draft")
-            for name in ("_apply_processors", "_choose", "_stop_lengths"):
-                if hasattr(generation, name):
-                    self._wrap(generation, name, "accept_commit")
+            self._wrap(core_module(self.drafter, "candidate_generator").DFlashCandidateGenerator, "draft", "draft")
+            decoding = core_module(self.drafter, "decoding")
+            for name in ("process_logits", "choose_tokens", "stop_lengths"):
+                self._wrap(decoding, name, "accept_commit")
         else:
             from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator
 
@@ -817,7 +824,7 @@ def profile_step(target, drafter, input_ids, kind: str = "dflash", builtin_draft
 
     kwargs = dict(attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False)
     kwargs.update(generate_kwargs)
-    setting = adaptive_draft_length if kind == "dflash_adaptive" else None
+    setting = adaptive_draft_length if kind == "dflash_adaptive" else "full"
     if kind == "builtin_dflash":
         extra = {"assistant_model": builtin_drafter, "speculation_type": "dflash"}
     else:
@@ -832,7 +839,7 @@ def profile_step(target, drafter, input_ids, kind: str = "dflash", builtin_draft
     handle = target.register_forward_pre_hook(record_width, with_kwargs=True)
     recorder = _AssistedRecorder()
     try:
-        with torch.inference_mode(), draft_length(drafter, setting), recorder.watch(), \
+        with torch.inference_mode(), draft_length(drafter, setting), ngram_lookup(drafter, 0), recorder.watch(), \
                 StepProfiler(target, "builtin_dflash" if kind == "builtin_dflash" else "dflash", drafter) as profiler:
             target.generate(input_ids, **kwargs, **extra)
     finally:
@@ -1190,7 +1197,7 @@ def run_batch_benchmark(
     if pad_token_id is None:
         pad_token_id = target.generation_config.pad_token_id
         pad_token_id = pad_token_id if pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
-    from .generation_dflash import cpu_kernels
+    from .kernels import cpu_kernels
 
     if methods is None:
         methods = ["dflash"] + (["dflash_adaptive"] if adaptive_draft_length is not None else [])
@@ -1200,7 +1207,7 @@ def run_batch_benchmark(
     if adaptive_draft_length is None and {"dflash_adaptive", "dflash_lookup"} & set(methods):
         adaptive_draft_length = "auto"
     methods = [
-        (name, adaptive_draft_length if name in ("dflash_adaptive", "dflash_lookup") else None)
+        (name, adaptive_draft_length if name in ("dflash_adaptive", "dflash_lookup") else "full")
         for name in dict.fromkeys(["baseline", *methods])
     ]
     bar = _progress_bar(progress, len(batch_sizes) * len(methods) * (warmup + repeats))
@@ -1222,7 +1229,7 @@ def run_batch_benchmark(
                     elif name != "baseline":
                         settings.enter_context(draft_length(drafter, setting))
                         settings.enter_context(fast_cpu_linears(drafter, name != "dflash_stock_linears"))
-                        settings.enter_context(ngram_lookup(drafter, 2 if name == "dflash_lookup" else None))
+                        settings.enter_context(ngram_lookup(drafter, 2 if name == "dflash_lookup" else 0))
                         extra["assistant_model"] = drafter
                     _synchronize(device)
                     start = time.perf_counter()
@@ -1304,7 +1311,7 @@ def format_batch_markdown(rows: Sequence[Mapping[str, Any]], header: str = "") -
 def run_linear_benchmark(model, row_counts: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128), repeats: int = 5,
                          warmup: int = 1) -> list[dict]:
     """Time one pass over every `nn.Linear` weight of `model` (a forward's matrix products, in order) with
-    `F.linear` and with `generation_dflash.skinny_linear`, for inputs of each row count.
+    `F.linear` and with `kernels.skinny_linear`, for inputs of each row count.
 
     The two kernels alternate pass by pass, so machine noise hits both alike. The weights are read from memory as in a
     real forward (a model's weights do not fit in the CPU caches). Returns one row per row count: milliseconds per
@@ -1314,7 +1321,7 @@ def run_linear_benchmark(model, row_counts: Sequence[int] = (1, 2, 4, 8, 16, 32,
     from torch import nn
     from torch.nn import functional as F
 
-    from .generation_dflash import skinny_linear
+    from .kernels import skinny_linear
 
     weights = [(m.weight, m.bias) for m in model.modules() if isinstance(m, nn.Linear)]
     if not weights:

@@ -25,8 +25,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .smollm2 import SHIPPED_DRAFTER
+
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
-SHIPPED_DRAFTER = Path(__file__).resolve().parent / "drafters" / "smollm2-135m-instruct"
 
 # (command, module, function adding its options, function running it, one-line help)
 OPTIONAL_COMMANDS = (
@@ -341,19 +342,19 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         default=None,
         metavar="N",
         help="also propose copied drafts: when the last N (then N-1 ... 1) tokens occurred earlier, the tokens that "
-        "followed head the block (drafter.ngram_lookup; verified like any draft, so the output is unchanged). "
-        "Default: off",
+        "followed head the block (drafter.ngram_lookup; verified like any draft, so the output is unchanged); 0 "
+        "turns it off. Default: the drafter's default for the device (2 on CPU, off elsewhere)",
     )
     parser.add_argument("--no-stream", action="store_true", help="do not stream the answer while it is generated")
     return parser
 
 
 def parse_demo_draft_length(text: str | None, device: str):
-    """`drafter.draft_length` for `--draft-length` (None = the whole block)."""
+    """`drafter.draft_length` for `--draft-length` (None: the drafter's default for the device)."""
     if text is None:
-        return "auto" if str(device).startswith("cpu") else None
-    if text in ("full", "none", "None"):
         return None
+    if text in ("full", "none", "None"):
+        return "full"
     if text == "auto":
         return "auto"
     try:
@@ -381,7 +382,7 @@ def load_demo_drafter(target, path: str | os.PathLike | None = None):
 def run_demo_command(args: argparse.Namespace) -> int:
     import torch
 
-    from .generation_dflash import check_ngram_lookup
+    from .ngram_lookup import check_ngram_lookup
     from .smollm2 import SmolLM2NotAvailableError, load_smollm2
 
     if args.max_new_tokens < 1 or args.repeats < 0:
@@ -403,11 +404,14 @@ def run_demo_command(args: argparse.Namespace) -> int:
     print(f"Loaded in {time.perf_counter() - start:.1f} s.", flush=True)
 
     drafter, description, trained = load_demo_drafter(target, args.drafter)
-    drafter.draft_length = draft_length
-    description += f"; draft length {drafter.draft_length or 'full block'}"
-    if args.ngram_lookup is not None:
-        drafter.ngram_lookup = args.ngram_lookup
-        description += f"; copied drafts from {args.ngram_lookup}-gram lookup"
+    from .draft_length import default_draft_length
+    from .ngram_lookup import default_ngram_lookup
+
+    drafter.draft_length, drafter.ngram_lookup = draft_length, args.ngram_lookup
+    draft_setting = default_draft_length(device) if draft_length is None else draft_length
+    lookup = default_ngram_lookup(device) if args.ngram_lookup is None else args.ngram_lookup
+    description += f"; draft length {draft_setting}"
+    description += f"; copied drafts from {lookup}-gram lookup" if lookup else "; no copied drafts"
     if trained:
         print(f"Drafter: {description}.", flush=True)
     else:

@@ -13,18 +13,16 @@ The three layouts (every one stores the weights as ONE `model.safetensors` with 
 `hidden_norm.weight`, `norm.weight`; only config.json and the files next to it differ):
 
 1. `hub`: what `DFlashDraftModel.save_pretrained` writes (config.json with `model_type: "dflash"` and `auto_map`, the
-   three self-contained code files) plus a model card README.md; ready for `drafter.push_to_hub`, `hf upload` /
+   self-contained core files, `code_files`) plus a model card README.md; ready for `drafter.push_to_hub`, `hf upload` /
    `huggingface-cli upload`, and `AutoModel.from_pretrained(..., trust_remote_code=True)`.
 2. `released`: the layout of the released DFlash checkpoints (keys in `shared/docs/dflash-spec.md`): `model_type:
    "qwen3"`, `architectures: ["DFlashDraftModel"]`, `auto_map: {"AutoModel": "dflash.DFlashDraftModel"}`,
    `dflash_config: {mask_token_id, target_layer_ids, block_size}` and `block_size` at the top level too (older
    readers look there, Qwen3.5-era readers in `dflash_config`). SGLang and vLLM load it by its architecture name
-   with their own implementation. Decision on `dflash.py`: we DO write one, because `auto_map` names it and a folder
-   whose `auto_map` points at a missing file breaks `AutoModel.from_pretrained(..., trust_remote_code=True)`. It is
-   generated here (`DFLASH_ENTRY_POINT`), not taken from anybody's code: a ten-line subclass of OUR
-   `DFlashDraftModel`, shipped with our three self-contained files, whose `from_pretrained` re-reads the
-   `qwen3`-typed config.json as a `DFlashConfig`. It gives our API (`generate(assistant_model=drafter)`), not the
-   original repository's `spec_generate`.
+   with their own implementation. `auto_map` names `dflash.py`, which is our core's own entry point (`code_files`):
+   the folder carries our core files, so `AutoModel.from_pretrained(..., trust_remote_code=True)` gives our
+   `DFlashDraftModel` (whose `from_pretrained` re-reads the `qwen3`-typed config.json as a `DFlashConfig`) and our API
+   (`generate(assistant_model=drafter)`), not the original repository's `spec_generate`.
 3. `speculators`: the vLLM speculators format (`speculators_model_type: "dflash"`), which `vllm serve` reads directly.
    Schema, from vllm-project/speculators (read, not copied):
    - `src/speculators/config.py`: `SpeculatorModelConfig` fields `speculators_model_type`, `speculators_version`,
@@ -75,17 +73,17 @@ from pathlib import Path
 
 import torch
 
+from .code_files import ENTRY_POINT, HUB_AUTO_MAP, RELEASED_AUTO_MAP, code_files, write_code_files
 from .configuration_dflash import DFlashConfig, decoder_shape_kwargs, rope_parameters_from_config
 from .model_card import CardMetadata, metadata_from_training_dir, write_model_card
-from .generation_dflash import text_config
+from .target_model import text_config
 from .modeling_dflash import DFlashDraftModel
 
 logger = logging.getLogger(__name__)
 
 LAYOUTS = ("hub", "released", "speculators")
 PACKAGE_DIR = Path(__file__).resolve().parent
-CODE_FILES = ("configuration_dflash.py", "modeling_dflash.py", "generation_dflash.py")
-ENTRY_POINT_FILE = "dflash.py"
+CODE_FILES = tuple(path.name for path in code_files())  # the carried core, as `code_files` defines it
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -164,31 +162,6 @@ HUB_CONFIG_SCHEMA = {
     "dflash_config": dict,
 }
 
-DFLASH_ENTRY_POINT = '''"""`dflash.DFlashDraftModel`: the class that the released DFlash checkpoint layout names in
-config.json (`auto_map: {"AutoModel": "dflash.DFlashDraftModel"}`).
-
-Written by transformers-dflash (`dflash export --layout released`). The implementation is in the three files next to
-this one (configuration_dflash.py, modeling_dflash.py, generation_dflash.py), which import only torch and
-transformers; this file only defines a class. The released config.json says `model_type: "qwen3"`, so
-`AutoModel.from_pretrained(..., trust_remote_code=True)` hands a Qwen3Config to `from_pretrained`, which re-reads the
-same config.json as a `DFlashConfig` instead.
-"""
-
-from .configuration_dflash import DFlashConfig
-from .generation_dflash import DFlashCandidateGenerator  # imported here too: transformers 4 copies only the files
-from .modeling_dflash import DFlashDraftModel as _DFlashDraftModel  # that the auto_map file names for local folders
-
-
-class DFlashDraftModel(_DFlashDraftModel):
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=None, **kwargs):
-        if config is not None and not isinstance(config, DFlashConfig):
-            config = None  # the Qwen3Config read from the released config.json: read it as a DFlashConfig
-        return super().from_pretrained(pretrained_model_name_or_path, *model_args, config=config, **kwargs)
-
-
-__all__ = ["DFlashCandidateGenerator", "DFlashConfig", "DFlashDraftModel"]
-'''
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -412,7 +385,7 @@ def speculators_config(
 
 def _managed_file(name: str) -> bool:
     return (
-        name in (CONFIG_NAME, CARD_NAME, ENTRY_POINT_FILE, WEIGHTS_INDEX_NAME, "generation_config.json")
+        name in (CONFIG_NAME, CARD_NAME, WEIGHTS_INDEX_NAME, "generation_config.json")
         or name in CODE_FILES
         or name.endswith(".safetensors")
         or name.endswith(PICKLE_SUFFIXES)
@@ -431,11 +404,6 @@ def _prepare_out_dir(out_dir: str | os.PathLike, overwrite: bool) -> Path:
         if (out / name).is_file() and _managed_file(name):
             (out / name).unlink()
     return out
-
-
-def _copy_code_files(out: Path) -> None:
-    for name in CODE_FILES:
-        shutil.copyfile(PACKAGE_DIR / name, out / name)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -478,15 +446,12 @@ def export_drafter(
 
     if layout == "hub":
         drafter.save_pretrained(out)
-        for name in CODE_FILES:  # a drafter class that is not registered for the Auto classes would not copy them
-            if not (out / name).is_file():
-                shutil.copyfile(PACKAGE_DIR / name, out / name)
+        write_code_files(out)  # also for a drafter class whose save_pretrained does not write them
     elif layout == "released":
         content = released_config(config, dtype, num_target_layers=target.num_layers)
         (out / CONFIG_NAME).write_text(json.dumps(content, indent=2) + "\n")
         _save_safetensors(_state_dict_for_safetensors(drafter), out / WEIGHTS_NAME)
-        _copy_code_files(out)
-        (out / ENTRY_POINT_FILE).write_text(DFLASH_ENTRY_POINT)
+        write_code_files(out, RELEASED_AUTO_MAP)
     else:
         if target.name is None:
             warnings.warn(
@@ -507,7 +472,7 @@ def export_drafter(
 
 
 def _card_file_order(files: list[str]) -> list[str]:
-    order = [CONFIG_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME, ENTRY_POINT_FILE, *CODE_FILES, CARD_NAME]
+    order = [CONFIG_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME, *CODE_FILES, CARD_NAME]
     known = [name for name in order if name in files]
     return known + sorted(set(files) - set(known))
 
@@ -586,14 +551,14 @@ def check_layout(folder: str | os.PathLike, layout: str | None = None) -> list[s
         problems += _check_types(content, RELEASED_CONFIG_SCHEMA, CONFIG_NAME)
         if content.get("architectures") != ["DFlashDraftModel"]:
             problems.append("architectures must be ['DFlashDraftModel']")
-        if content.get("auto_map") != {"AutoModel": "dflash.DFlashDraftModel"}:
-            problems.append("auto_map must be {'AutoModel': 'dflash.DFlashDraftModel'}")
+        if content.get("auto_map") != RELEASED_AUTO_MAP:
+            problems.append(f"auto_map must be {RELEASED_AUTO_MAP}")
         if content.get("model_type") != "qwen3":
             problems.append("model_type must be 'qwen3'")
         problems += _check_types(
             content.get("dflash_config") or {}, {"mask_token_id": int, "target_layer_ids": list}, "dflash_config"
         )
-        needed = [CONFIG_NAME, ENTRY_POINT_FILE, *CODE_FILES]
+        needed = [CONFIG_NAME, *CODE_FILES]
     elif layout == "speculators":
         problems += _check_types(content, SPECULATORS_CONFIG_SCHEMA, CONFIG_NAME)
         algorithm = content.get("speculators_config") or {}
@@ -611,12 +576,8 @@ def check_layout(folder: str | os.PathLike, layout: str | None = None) -> list[s
     else:
         problems += _check_types(content, HUB_CONFIG_SCHEMA, CONFIG_NAME)
         auto_map = content.get("auto_map") or {}
-        if auto_map.get("AutoModel") != "modeling_dflash.DFlashDraftModel" or auto_map.get("AutoConfig") != (
-            "configuration_dflash.DFlashConfig"
-        ):
-            problems.append(
-                f"auto_map must name configuration_dflash.DFlashConfig and modeling_dflash.DFlashDraftModel: {auto_map}"
-            )
+        if auto_map != HUB_AUTO_MAP:
+            problems.append(f"auto_map must be {HUB_AUTO_MAP}: {auto_map}")
         needed = [CONFIG_NAME, *CODE_FILES]
     problems += [f"missing file {name}" for name in needed if not (folder / name).is_file()]
     for name in sorted(os.listdir(folder)):

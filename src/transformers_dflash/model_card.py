@@ -23,6 +23,8 @@ import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from .code_files import code_files
+
 BASE_TAGS = ("dflash", "speculative-decoding")
 TEMPLATE_PATH = Path(__file__).resolve().parents[2] / "model_cards" / "template.md"
 LAYOUTS = ("hub", "released", "speculators")
@@ -349,22 +351,26 @@ def _usage(config, metadata: CardMetadata, layout: str) -> str:
 _FILE_NOTES = {
     "config.json": "the drafter's configuration",
     "model.safetensors": "the weights",
-    "configuration_dflash.py": "`DFlashConfig`",
-    "modeling_dflash.py": "`DFlashDraftModel`",
-    "generation_dflash.py": "the DFlash decoding loop behind `generate(assistant_model=...)`",
-    "dflash.py": "entry point named by `auto_map` in the released layout; re-exports `DFlashDraftModel`",
     "README.md": "this card",
 }
 
 
 def _files(files: list[str] | None, layout: str) -> str:
+    """The card's file list; the core's code files (`code_files`) are one line, led by the entry point."""
+    core = [path.name for path in code_files()]
     if files is None:
-        files = ["config.json", "model.safetensors", "README.md"]
-        if layout in ("hub", "released"):
-            files[2:2] = ["configuration_dflash.py", "modeling_dflash.py", "generation_dflash.py"]
-        if layout == "released":
-            files.insert(2, "dflash.py")
-    return "\n".join(f"- `{name}`" + (f": {_FILE_NOTES[name]}" if name in _FILE_NOTES else "") for name in files)
+        files = ["config.json", "model.safetensors", *(core if layout in ("hub", "released") else []), "README.md"]
+    lines = []
+    for name in files:
+        if name in core:
+            if name == core[0]:
+                lines.append(
+                    f"- `{core[0]}` and the {len(core) - 1} files it imports: the DFlash drafter and decoding code "
+                    "(torch and transformers only), which `auto_map` names"
+                )
+            continue
+        lines.append(f"- `{name}`" + (f": {_FILE_NOTES[name]}" if name in _FILE_NOTES else ""))
+    return "\n".join(lines)
 
 
 def render_model_card(

@@ -1,8 +1,7 @@
 """The DFlash block-diffusion drafter (arXiv 2602.06036).
 
-This file is copied next to every checkpoint by `save_pretrained`, so it imports only torch and transformers (and its
-two sibling files, which follow the same rule). Importing it registers the generation hook, so that
-`target.generate(input_ids, assistant_model=drafter)` drafts with DFlash.
+Part of the carried core (`code_files.py`): it imports only torch, transformers and its sibling core files, and never
+the decoding loop, which depends on it. `dflash.py` (the entry point) installs the generation hook.
 
 How the drafter works, in one paragraph: at each decoding step it receives the last token the target produced (the
 "anchor") followed by `block_size - 1` mask tokens, embedded by the TARGET's embedding table, and fills all masks in
@@ -28,15 +27,9 @@ try:  # transformers >= 4.48
 except ImportError:  # pragma: no cover - older releases are outside the supported range
     ALL_ATTENTION_FUNCTIONS = {}
 
+from .code_files import write_code_files
 from .configuration_dflash import DFlashConfig, decoder_shape_kwargs, default_target_layer_ids
-from .generation_dflash import (
-    DFlashCandidateGenerator,
-    DFlashDrafterCache,
-    dflash_decoding,
-    install_generation_hook,
-    prepare_generate_kwargs,
-    text_config,
-)
+from .target_model import text_config
 
 
 class DFlashRMSNorm(nn.Module):
@@ -150,6 +143,59 @@ def eager_attention_forward(
     attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
     attn_output = torch.matmul(attn_weights, value_states)
     return attn_output.transpose(1, 2).contiguous(), attn_weights
+
+
+class DFlashDrafterCache:
+    """The drafter's context cache: per-layer keys/values of the projected context rows, and their positions.
+
+    Only VERIFIED positions ever enter it, so it never needs cropping. Buffers grow by doubling. Each drafter forward
+    writes the new context rows at `context_length` and the block's own keys/values right after them, attends over
+    the view `[:context_length + new + block]`, then `advance` moves `context_length` past the new context rows only:
+    the block is overwritten by the next step's context (no concatenation, no copy of the growing context).
+    """
+
+    def __init__(self, num_layers: int):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.positions: torch.Tensor | None = None
+        self.context_length = 0
+
+    @staticmethod
+    def _fit(buffer: torch.Tensor | None, like: torch.Tensor, dim: int, used: int, end: int) -> torch.Tensor:
+        """`buffer` if it holds `end` entries along `dim`, else a larger copy of its first `used` entries."""
+        if buffer is not None and buffer.shape[dim] >= end and buffer.shape[0] == like.shape[0]:
+            return buffer
+        shape = list(like.shape)
+        shape[dim] = max(end, 2 * (buffer.shape[dim] if buffer is not None else 0), 256)
+        grown = like.new_empty(shape)
+        if buffer is not None and used > 0:
+            grown.narrow(dim, 0, used).copy_(buffer.narrow(dim, 0, used))
+        return grown
+
+    def update(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        """Write [new context ; block] keys/values ([batch, kv_heads, seq, head_dim]); return the views to attend."""
+        start, end = self.context_length, self.context_length + key_states.shape[2]
+        self.keys[layer_idx] = self._fit(self.keys[layer_idx], key_states, 2, start, end)
+        self.values[layer_idx] = self._fit(self.values[layer_idx], value_states, 2, start, end)
+        self.keys[layer_idx][:, :, start:end] = key_states
+        self.values[layer_idx][:, :, start:end] = value_states
+        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
+
+    def past_positions(self) -> torch.Tensor | None:
+        return None if self.positions is None else self.positions[:, : self.context_length]
+
+    def advance(self, context_position_ids: torch.LongTensor):
+        """Commit the new context rows (their positions are `context_position_ids`, [batch, new])."""
+        start, end = self.context_length, self.context_length + context_position_ids.shape[1]
+        self.positions = self._fit(self.positions, context_position_ids, 1, start, end)
+        self.positions[:, start:end] = context_position_ids
+        self.context_length = end
+
+    def batch_select_indices(self, indices: torch.Tensor):
+        """Keep only the rows `indices` of the batch (finished sequences leave the batch)."""
+        self.keys = [k[indices] if k is not None else None for k in self.keys]
+        self.values = [v[indices] if v is not None else None for v in self.values]
+        self.positions = self.positions[indices] if self.positions is not None else None
 
 
 class DFlashAttention(nn.Module):
@@ -275,9 +321,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
     `DFlashCandidateGenerator`).
     """
 
-    # Marks DFlash drafters for the generation hook without an isinstance check, so that a copy of this file loaded
-    # through `trust_remote_code` and our installed package recognise each other's drafters.
-    is_dflash_drafter = True
+    is_dflash_drafter = True  # lets tools recognise a drafter from any copy of this file (trust_remote_code or ours)
 
     def __init__(self, config: DFlashConfig):
         super().__init__(config)
@@ -293,14 +337,14 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         else:
             self.draft_vocab_ids = None
         self.last_acceptance_lengths: list[int] = []
-        # Adaptive draft length: None (verify the whole block), a confidence threshold, or "auto" (see
-        # `DraftLengthPolicy`). A run-time setting, not saved with the checkpoint.
+        # How many drafts to verify per step: None (the device's fastest measured default), "full", a confidence
+        # threshold or "auto" (see draft_length.py). A run-time setting, not saved with the checkpoint.
         self.draft_length: float | str | None = None
-        # Verify (and draft) through `generation_dflash.skinny_linear` on CPUs: the transposed product is much faster
+        # Verify (and draft) through `kernels.skinny_linear` on CPUs: the transposed product is much faster
         # for the few rows of a verification forward. A run-time setting, not saved with the checkpoint.
         self.fast_cpu_linears: bool = True
-        # Also copy drafts from the sequence itself when its last n tokens occurred before (`NgramLookup`): None (off)
-        # or the longest n-gram to match. A run-time setting, not saved with the checkpoint.
+        # Also copy drafts from the sequence itself when its last n tokens occurred before (ngram_lookup.py): None
+        # (the device's default), 0 (off) or the longest n-gram to match. A run-time setting, not saved.
         self.ngram_lookup: int | None = None
         self.model_tags = ["dflash", "speculative-decoding"]  # per instance: transformers appends to it in place
         self.post_init()
@@ -338,6 +382,13 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         """`PreTrainedModel.from_pretrained`, made strict: a drafter with missing, unexpected or mis-shaped tensors
         would draft garbage silently, so those raise a ValueError that names them. Weights load from safetensors
         only (pickled `.bin` files can run code when loaded)."""
+        config = kwargs.pop("config", None)
+        if config is not None and not isinstance(config, DFlashConfig):
+            # A released-layout folder (`model_type: "qwen3"`) loaded through AutoModel hands us the Qwen3Config it
+            # read: read the same config.json as a DFlashConfig instead.
+            config = None
+        if config is not None:
+            kwargs["config"] = config
         if kwargs.pop("use_safetensors", True) is False:
             raise ValueError("DFlash drafters load from safetensors only; pickled weights are refused.")
         wants_info = kwargs.pop("output_loading_info", False)
@@ -480,19 +531,15 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         param = next(target.parameters())
         return drafter.to(device=param.device, dtype=param.dtype)
 
-    def candidate_generator(self, target: PreTrainedModel, **kwargs) -> DFlashCandidateGenerator:
-        """The `CandidateGenerator` that drafts for `target` with this drafter."""
-        return DFlashCandidateGenerator(self, target, **kwargs)
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """`PreTrainedModel.save_pretrained`, plus the carried core's code files next to the weights (`code_files`),
+        so that the folder loads with `AutoModel.from_pretrained(folder, trust_remote_code=True)` anywhere."""
+        if kwargs.get("push_to_hub"):
+            raise ValueError(
+                "save_pretrained(push_to_hub=True) would upload the folder before the DFlash code files are written "
+                "next to it. Call drafter.push_to_hub(repo_id) instead, which uploads weights, config and code."
+            )
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            write_code_files(save_directory)
 
-    # The generation hook calls these two through the drafter, so that a drafter loaded with `trust_remote_code`
-    # runs the generation code saved next to it, even when another copy of this package installed the hook.
-    def _dflash_prepare_generate(self, target, args, kwargs):
-        return prepare_generate_kwargs(self, target, args, kwargs)
-
-    def _dflash_decoding(self, target, input_ids, *args, **kwargs):
-        return dflash_decoding(target, self, input_ids, *args, **kwargs)
-
-
-DFlashConfig.register_for_auto_class()
-DFlashDraftModel.register_for_auto_class("AutoModel")
-install_generation_hook()

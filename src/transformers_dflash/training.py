@@ -47,7 +47,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .data import list_shards, load_shard
-from .generation_dflash import text_config
+from .target_model import text_config
 from .modeling_dflash import DFlashDraftModel
 
 CHECKPOINT_PREFIX = "checkpoint-"

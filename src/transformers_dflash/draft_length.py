@@ -1,0 +1,176 @@
+"""How many of a block's drafts to verify (part of the carried core: torch and transformers only).
+
+Verifying fewer drafts is always lossless: the target simply commits fewer tokens this step. Verification cost grows
+with the number of tokens on CPUs and at large batch, so low-confidence drafts can cost more than they are expected
+to gain. Each policy answers three questions for the decoding loop: run the drafter this step (`wants_draft`)? which
+drafts to verify (`trim`)? and, after the step, what did it cost (`record`)?
+
+`drafter.draft_length` picks the policy (`draft_length_policy`):
+
+- `"full"`: verify the whole block (`FullBlock`);
+- a float threshold `t` in [0, 1]: verify drafts while the cumulative drafter confidence stays >= t
+  (`ConfidenceThreshold`);
+- `"auto"`: maximise the expected tokens per second, fitted to the step times of this call (`AutoDraftLength`);
+- `None` (the default): the fastest choice measured for the device (docs/benchmarks.md): `"auto"` on CPUs, where
+  verifying a wide block costs several plain steps, `"full"` on accelerators.
+"""
+
+import torch
+
+
+class FullBlock:
+    """Verify every draft of the block, every step."""
+
+    uses_confidence = False  # the drafter need not score its own proposals
+
+    def wants_draft(self) -> bool:
+        return True
+
+    def trim(self, drafts: torch.Tensor, confidence: torch.Tensor | None, paid_draft: bool = True) -> torch.Tensor:
+        return drafts
+
+    def record(self, width: int, seconds: float, draft_seconds: float | None = None) -> None:
+        pass
+
+
+class ConfidenceThreshold(FullBlock):
+    """Verify drafts while the cumulative confidence (the product of the drafter's probabilities of its own proposals)
+    stays >= `threshold`. Rows of a batch share one verification forward, so the widest row's choice wins."""
+
+    uses_confidence = True
+
+    def __init__(self, threshold: float):
+        self.threshold = threshold
+
+    def trim(self, drafts, confidence, paid_draft=True):
+        return drafts[:, : int((confidence.cumprod(dim=1) >= self.threshold).sum(dim=1).max())]
+
+
+class AutoDraftLength(FullBlock):
+    """Pick the number of drafts k (0 = a plain decoding step) that maximises expected tokens per second,
+    `(1 + sum_{j<=k} P_j) / (draft + verify(k + 1))`.
+
+    `P_j` is the cumulative confidence of draft j, `draft` the mean measured draft time and `verify(w)` the measured
+    time of verifying w tokens in this generate() call: the mean of the steps of that width, else a least-squares line
+    through all steps. The first two steps measure one draft (width 2) and no draft (width 1); wider blocks are tried
+    when the line predicts that they pay, and are then measured. Exploring from the narrow end keeps a large batch,
+    where a full block costs several plain steps, from paying for it just to learn that it does not pay. A table
+    rather than a line, because on CPUs one token can be much cheaper than two while two to eight cost about the same.
+    The draft's cost is the mean of the drafts after the first (the first one also reads the whole prompt's context).
+
+    When drafting loses even so (the expected rate of the last drafted step is below a plain step's, e.g. at a large
+    batch with doubtful drafts), the next steps skip the drafter altogether; it is asked again after 1, 2, 4, ... 16
+    skipped steps, and drafting resumes as soon as it wins. Skipped steps keep their target features for the
+    drafter's next context, so skipping costs no accuracy. Rows of a batch share one verification forward: the
+    chosen length maximises the expected tokens per second of the whole batch (the sum over rows).
+    """
+
+    uses_confidence = True
+
+    def __init__(self):
+        self.samples: list[tuple[int, float]] = []  # (verified width, seconds of the verification and commit)
+        self.draft_seconds: list[float] = []  # seconds of each draft
+        self.draft_rate: float | None = None  # expected tokens/s per row of the last drafted step, as chosen
+        self.skipped, self.backoff = 0, 1
+
+    def record(self, width, seconds, draft_seconds=None):
+        """A step verified `width` tokens in `seconds`, after a draft of `draft_seconds` (None: no draft)."""
+        self.samples.append((width, seconds))
+        if draft_seconds is not None:
+            self.draft_seconds.append(draft_seconds)
+
+    def wants_draft(self) -> bool:
+        """Whether to run the drafter this step (False while drafting loses to plain steps)."""
+        if 1 not in {w for w, _ in self.samples} and self.samples:  # exploring a plain step: no draft to pay for
+            return False
+        if self.draft_rate is None:
+            return True
+        plain_cost = self.step_costs(1)[0]
+        if self.draft_rate >= 1.0 / plain_cost:
+            self.skipped, self.backoff = 0, 1
+            return True
+        if self.skipped < self.backoff:
+            self.skipped += 1
+            return False
+        self.skipped, self.backoff = 0, min(2 * self.backoff, 16)  # ask the drafter again; wait longer if it loses
+        return True
+
+    def _cost_line(self):
+        widths = {w for w, _ in self.samples}
+        if len(widths) < 2:
+            return None
+        n = len(self.samples)
+        mean_w = sum(w for w, _ in self.samples) / n
+        mean_t = sum(t for _, t in self.samples) / n
+        var = sum((w - mean_w) ** 2 for w, _ in self.samples)
+        slope = max(sum((w - mean_w) * (t - mean_t) for w, t in self.samples) / var, 0.0)
+        return mean_t - slope * mean_w, slope
+
+    def step_costs(self, max_width: int) -> list[float] | None:
+        """Estimated seconds of a step verifying w = 1 .. max_width tokens (None before two widths were measured)."""
+        line = self._cost_line()
+        if line is None:
+            return None
+        intercept, slope = line
+        totals: dict[int, list[float]] = {}
+        for w, t in self.samples:
+            totals.setdefault(w, []).append(t)
+        measured = {w: sum(ts) / len(ts) for w, ts in totals.items()}
+        costs = []
+        for w in range(1, max_width + 1):
+            below = [m for m in measured if m < w]
+            above = [m for m in measured if m > w]
+            if w in measured:
+                costs.append(measured[w])
+            elif below and above:  # between two measured widths: interpolate
+                lo, hi = max(below), min(above)
+                costs.append(measured[lo] + (measured[hi] - measured[lo]) * (w - lo) / (hi - lo))
+            else:
+                costs.append(max(intercept + slope * w, 1e-9))
+        return costs
+
+    def num_to_verify(self, confidence: torch.Tensor, paid_draft: bool = True) -> int:
+        """Drafts to verify, from per-row confidences `[rows, num_draft]`. `paid_draft=False`: the drafter did not run
+        this step (only copied drafts, see `NgramLookup`), so its cost and its rate are left out."""
+        num_draft = confidence.shape[1]
+        widths = {w for w, _ in self.samples}
+        if 2 not in widths:  # explore: one draft ...
+            return min(1, num_draft)
+        if 1 not in widths:  # ... then no draft at all
+            return 0
+        drafts = self.draft_seconds[1:] or self.draft_seconds  # the first draft also read the prompt's context
+        draft = sum(drafts) / len(drafts) if drafts and paid_draft else 0.0
+        costs = [draft + c for c in self.step_costs(num_draft + 1)]
+        costs = torch.tensor(costs, dtype=torch.float32, device=confidence.device)
+        cumulative = confidence.cumprod(dim=1)
+        gained = 1 + torch.cat([cumulative.new_zeros(cumulative.shape[0], 1), cumulative.cumsum(dim=1)], dim=1)
+        # Rows share one forward: maximise the whole batch's expected tokens per second, not the greediest row's.
+        rate = gained.float().sum(dim=0) / costs
+        best = int(rate.argmax())
+        if paid_draft:
+            self.draft_rate = float(rate[best]) / confidence.shape[0]
+        return best
+
+    def trim(self, drafts, confidence, paid_draft=True):
+        return drafts[:, : self.num_to_verify(confidence, paid_draft)]  # synchronises
+
+
+def default_draft_length(device: torch.device) -> str:
+    """The fastest setting measured for the device (docs/benchmarks.md): "auto" on CPUs, "full" on accelerators."""
+    return "auto" if torch.device(device).type == "cpu" else "full"
+
+
+def draft_length_policy(setting, device: torch.device | str = "cpu"):
+    """The policy for a `drafter.draft_length` setting (see the module docstring); a ValueError for anything else."""
+    if setting is None:
+        setting = default_draft_length(device)
+    if setting == "full":
+        return FullBlock()
+    if setting == "auto":
+        return AutoDraftLength()
+    if isinstance(setting, (int, float)) and not isinstance(setting, bool) and 0.0 <= float(setting) <= 1.0:
+        return ConfidenceThreshold(float(setting))
+    raise ValueError(
+        f"drafter.draft_length={setting!r} is not valid: use None (the device's default), 'full' (whole block), a "
+        "confidence threshold in [0, 1], or 'auto'."
+    )

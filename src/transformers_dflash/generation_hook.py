@@ -1,0 +1,102 @@
+"""The hook that routes `target.generate(input_ids, assistant_model=drafter)` to DFlash decoding (carried core).
+
+`install_generation_hook(drafter_class)` wraps two methods of transformers' `GenerationMixin` once, and registers
+which decoding code serves drafters of `drafter_class`:
+
+- `generate`: checks that the drafter fits the target and refuses what DFlash cannot do (beam search, several
+  return sequences), with messages that say how to fix the call;
+- `_assisted_decoding`: runs `dflash_decoding` instead of transformers' batch-1 assisted loop.
+
+Every other assistant (a classic assistant model, prompt lookup, ...) keeps transformers' own behaviour. The
+registry lives on `GenerationMixin`, so a drafter loaded with `trust_remote_code` runs the code saved next to it even
+when another copy of this package installed the wrappers first.
+"""
+
+import functools
+
+import torch
+from torch import nn
+
+from .decoding import check_padding, dflash_decoding
+from .target_model import check_drafter_fits_target
+
+
+def prepare_generate_kwargs(drafter: nn.Module, target: nn.Module, args: tuple, kwargs: dict) -> dict:
+    """Checks run by the `generate` hook before transformers' own, so errors name the DFlash-specific fix."""
+    check_drafter_fits_target(drafter, target)
+    if kwargs.get("inputs_embeds") is not None:
+        raise ValueError(
+            "DFlash decoding needs token ids (the drafter embeds its blocks with the target's embedding table); pass "
+            "input_ids instead of inputs_embeds."
+        )
+    inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    if isinstance(inputs, torch.Tensor) and inputs.dim() == 2:
+        check_padding(kwargs.get("attention_mask"), inputs)
+    generation_config = kwargs.get("generation_config") or target.generation_config
+    num_beams = kwargs.get("num_beams", getattr(generation_config, "num_beams", 1)) or 1
+    if num_beams > 1:
+        raise ValueError(
+            f"Beam search (num_beams={num_beams}) cannot be combined with a DFlash drafter: speculative decoding "
+            "verifies one sequence per prompt. Use num_beams=1 (greedy or sampling), or drop assistant_model."
+        )
+    num_return = kwargs.get("num_return_sequences", getattr(generation_config, "num_return_sequences", 1)) or 1
+    if num_return > 1:
+        raise ValueError(
+            f"num_return_sequences={num_return} cannot be combined with a DFlash drafter. Repeat the prompt in the "
+            "batch instead (input_ids.repeat(n, 1)) to get several samples."
+        )
+    implementation = kwargs.get("cache_implementation", getattr(generation_config, "cache_implementation", None))
+    if implementation not in (None, "dynamic", "dynamic_full"):
+        raise ValueError(
+            f"cache_implementation={implementation!r} cannot be cropped after rejected drafts; DFlash decoding needs a "
+            "dynamic cache. Remove `cache_implementation` from the generate() call or generation config."
+        )
+    if kwargs.get("speculation_type") == "dflash":
+        kwargs = dict(kwargs)
+        # transformers' own DFlash path expects its built-in drafter class; ours runs through `_assisted_decoding`.
+        kwargs.pop("speculation_type")
+    return kwargs
+
+
+
+
+def _implementation(assistant_model):
+    """(prepare_generate_kwargs, dflash_decoding) registered for the drafter's class, or None for other assistants."""
+    from transformers.generation.utils import GenerationMixin
+
+    registry = getattr(GenerationMixin, "_dflash_implementations", {})
+    return next((registry[c] for c in type(assistant_model).__mro__ if c in registry), None)
+
+
+def install_generation_hook(drafter_class: type) -> None:
+    """Route `generate(..., assistant_model=<drafter_class instance>)` to this file's DFlash decoding. Idempotent."""
+    from transformers.generation.utils import GenerationMixin
+
+    if not hasattr(GenerationMixin, "_dflash_implementations"):
+        GenerationMixin._dflash_implementations = {}
+    GenerationMixin._dflash_implementations[drafter_class] = (prepare_generate_kwargs, dflash_decoding)
+    if getattr(GenerationMixin, "_dflash_hook_installed", False):
+        return
+    original_generate = GenerationMixin.generate
+    original_assisted_decoding = GenerationMixin._assisted_decoding
+
+    @functools.wraps(original_generate)
+    def generate(self, *args, **kwargs):
+        implementation = _implementation(kwargs.get("assistant_model"))
+        if implementation is not None:
+            kwargs = implementation[0](kwargs["assistant_model"], self, args, kwargs)
+        return original_generate(self, *args, **kwargs)
+
+    @functools.wraps(original_assisted_decoding)
+    def _assisted_decoding(self, input_ids, *args, assistant_model=None, **kwargs):
+        implementation = _implementation(assistant_model)
+        if implementation is None:
+            return original_assisted_decoding(self, input_ids, *args, assistant_model=assistant_model, **kwargs)
+        for name in ("inputs_tensor", "assistant_tokenizer", "tokenizer"):
+            kwargs.pop(name, None)
+        return implementation[1](self, assistant_model, input_ids, *args, **kwargs)
+
+    GenerationMixin.generate = generate
+    GenerationMixin._assisted_decoding = _assisted_decoding
+    GenerationMixin._dflash_hook_installed = True
+    GenerationMixin._dflash_original_methods = {"generate": original_generate, "_assisted_decoding": original_assisted_decoding}

@@ -1,0 +1,97 @@
+"""Drafts copied from the sequence itself (prompt lookup), merged into DFlash's blocks (part of the carried core).
+
+`drafter.ngram_lookup` sets it: `None` (the default) picks the device's fastest measured setting (docs/benchmarks.md:
+2 on CPUs, off on accelerators), `0` turns it off, `n >= 1` matches n-grams of up to n tokens.
+"""
+
+import torch
+
+class NgramLookup:
+    """Drafts copied from the sequence itself (prompt lookup), merged into DFlash's blocks: `drafter.ngram_lookup = n`.
+
+    When a row's last n (then n - 1, ... 1) committed tokens occurred earlier in that row, the tokens that followed
+    their most recent earlier occurrence replace the head of the row's block. Small models often repeat themselves
+    (lists, code, loops), and there such copies are accepted far more often than a weak drafter's guesses. Like any
+    proposal they are verified by the target, so the output is unchanged.
+
+    With `draft_length="auto"` each copied token's confidence is its depth's measured acceptance rate in this call
+    (smoothed towards the rate of the depth before), so the policy verifies copies as far as they have been paying
+    off; when the drafter is skipped, copies are still proposed (they cost no drafter forward).
+    """
+
+    def __init__(self, max_ngram_size: int, block_size: int):
+        self.max_ngram_size = max_ngram_size
+        self.hits = [0] * block_size  # copies accepted at depth j ...
+        self.tries = [0] * block_size  # ... out of copies verified at depth j with all earlier ones accepted
+        self.copied: list[int] = []  # per row of the last step: tokens copied into the block head
+
+    def _continuation(self, tokens: torch.Tensor, num_draft: int) -> torch.Tensor | None:
+        for n in range(min(self.max_ngram_size, tokens.shape[0] - 1), 0, -1):
+            windows = tokens.unfold(0, n, 1)[:-1]  # every earlier n-gram (the suffix itself excluded)
+            found = (windows == tokens[-n:]).all(dim=1).nonzero()
+            if found.numel():
+                start = int(found[-1]) + n
+                return tokens[start : start + num_draft]
+        return None
+
+    @property
+    def acceptance(self) -> torch.Tensor:
+        """The confidence given a copy at each depth: the measured rate at which a copy is accepted once the copies
+        before it were, shrunk towards the rate of the depth before (1/2 for the first). An untried depth looks like
+        the last tried one, so copies that keep being accepted (a repetition loop) get verified ever deeper, as prompt
+        lookup would."""
+        rates, prior = [], 0.5
+        for hits, tries in zip(self.hits, self.tries):
+            prior = (hits + 2 * prior) / (tries + 2)
+            rates.append(prior)
+        return torch.tensor(rates)
+
+    def merge(self, sequences, active, lengths, drafts, confidence, num_draft: int):
+        """Drafts `[rows, num_draft]` (and per-token confidences) with each row's copied continuation at its head."""
+        rows = len(active)
+        acceptance = self.acceptance
+        if drafts.shape[1] < num_draft:  # the drafter did not run this step: pad, with zero confidence
+            drafts = torch.cat([drafts, drafts.new_zeros(rows, num_draft - drafts.shape[1])], dim=1)
+        confidence = confidence.clone() if confidence is not None else torch.zeros(rows, num_draft)
+        self.copied = [0] * rows
+        for i, r in enumerate(active):
+            copy = self._continuation(sequences[r, : lengths[r]], num_draft)
+            if copy is None:
+                continue
+            n = copy.shape[0]
+            drafts[i, :n] = copy
+            confidence[i, :n] = acceptance[:n]
+            self.copied[i] = n
+        return drafts, confidence.to(drafts.device)
+
+    def record(self, accepted: list[int], verified: int):
+        """After verification: `accepted[i]` drafts of row i were accepted, `verified` drafts were checked."""
+        for copied, a in zip(self.copied, accepted):
+            for j in range(min(copied, verified, a + 1)):
+                self.tries[j] += 1
+                self.hits[j] += j < a
+
+
+
+
+def default_ngram_lookup(device: torch.device) -> int:
+    """The fastest setting measured for the device (docs/benchmarks.md): 2 on CPUs, off (0) on accelerators."""
+    return 2 if torch.device(device).type == "cpu" else 0
+
+
+def check_ngram_lookup(value):
+    """`value` if it is a valid `drafter.ngram_lookup` (None = the device's default, 0 = off, else the longest
+    n-gram to match), else a ValueError."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(
+            f"drafter.ngram_lookup={value!r} is not valid: use None (the device's default), 0 (off) or the longest "
+            "n-gram to match, e.g. 2."
+        )
+    return value
+
+
+def ngram_lookup_for(setting, block_size: int, device: torch.device | str = "cpu") -> NgramLookup | None:
+    """The lookup for a `drafter.ngram_lookup` setting, or None when it is off."""
+    size = check_ngram_lookup(setting)
+    size = default_ngram_lookup(device) if size is None else size
+    return NgramLookup(size, block_size) if size else None

@@ -1,0 +1,130 @@
+"""What DFlash decoding needs to know about a target model (part of the carried core: torch and transformers only).
+
+Where its decoder layers are, which forward keyword takes the cache (renamed in transformers 5.24), whether it has
+sliding-window layers, a fresh cache that can be cropped after rejected drafts, and the checks that a drafter fits it.
+"""
+
+import inspect
+
+from torch import nn
+
+
+def text_config(config):
+    """The language-model part of a config (multimodal models nest it; plain LMs return themselves)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def decoder_layers(target: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
+    decoder = target.get_decoder() if hasattr(target, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        raise ValueError(
+            f"{type(target).__name__} does not expose its decoder layers as `get_decoder().layers`; DFlash needs a "
+            "decoder-only transformers model (Llama, Qwen2/3, Mistral, Gemma, ...) loaded with AutoModelForCausalLM."
+        )
+    return decoder, layers
+
+
+def check_drafter_fits_target(drafter: nn.Module, target: nn.Module) -> None:
+    """Raise a ValueError that says what to fix when `drafter` cannot draft for `target`.
+
+    A drafter on another device or in another dtype than the target is fine: `DFlashCandidateGenerator` moves the
+    small per-step tensors across (a float32 drafter next to a bfloat16 target is a common training set-up)."""
+    config = drafter.config
+    target_config = text_config(target.config)
+    if getattr(target.config, "is_encoder_decoder", False):
+        raise ValueError("DFlash drafters need a decoder-only target; this target is an encoder-decoder model.")
+    if getattr(target, "_is_stateful", False):
+        raise ValueError(
+            f"{type(target).__name__} keeps recurrent state that cannot be rolled back after a rejected draft, so "
+            "DFlash (like all speculative decoding) cannot verify drafts with it."
+        )
+    _, layers = decoder_layers(target)
+    embeddings, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    if lm_head is None:
+        raise ValueError(f"{type(target).__name__} has no LM head; load the target with AutoModelForCausalLM.")
+    if config.hidden_size != target_config.hidden_size:
+        raise ValueError(
+            f"The drafter's hidden_size is {config.hidden_size} but the target's is {target_config.hidden_size}: this "
+            "drafter was built for another target. Use a drafter trained for this target, or build one with "
+            "DFlashDraftModel.from_target(target)."
+        )
+    vocab_rows = embeddings.weight.shape[0]
+    if config.vocab_size != vocab_rows:
+        raise ValueError(
+            f"The drafter's vocab_size is {config.vocab_size} but the target's embedding table has {vocab_rows} rows: "
+            "the drafter borrows the target's embeddings and LM head, so both must use the same vocabulary."
+        )
+    if config.mask_token_id is None or not 0 <= config.mask_token_id < vocab_rows:
+        raise ValueError(
+            f"mask_token_id={config.mask_token_id} is not a row of the target's embedding table (0..{vocab_rows - 1}). "
+            "Set `drafter.config.mask_token_id` to the id the drafter was trained with."
+        )
+    num_layers = len(layers)
+    bad = [i for i in config.target_layer_ids if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(
+            f"target_layer_ids {bad} are out of range for a target with {num_layers} layers (valid: 0..{num_layers - 1})."
+        )
+    if config.num_target_layers is not None and config.num_target_layers != num_layers:
+        raise ValueError(
+            f"This drafter was trained for a target with {config.num_target_layers} layers, but the target has "
+            f"{num_layers}: it is not this target's drafter."
+        )
+    expected_in = len(config.target_layer_ids) * config.hidden_size
+    if drafter.fc.in_features != expected_in:
+        raise ValueError(
+            f"The drafter's fc expects {drafter.fc.in_features} input features but {len(config.target_layer_ids)} "
+            f"target layers x hidden {config.hidden_size} give {expected_in}: target_layer_ids do not match the weights."
+        )
+
+
+
+def cache_keyword(target: nn.Module) -> str:
+    """transformers 5.24 renamed the forward keyword `past_key_values` to `cache`."""
+    return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+
+
+def new_target_cache(target: nn.Module, model_kwargs: dict, generation_config):
+    """A fresh dynamic cache of full-attention layers: every layer of it can be cropped after a rejected draft.
+
+    Sliding-window targets still attend within their window: their masks come from the config, not the cache.
+    """
+    from transformers.cache_utils import DynamicCache
+
+    given = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    if given is not None and given.get_seq_length() > 0:
+        raise ValueError(
+            "DFlash decoding cannot continue from a pre-filled cache: it needs the target's hidden states of the "
+            "whole prompt. Pass the full prompt without `past_key_values`/`cache`."
+        )
+    if given is not None and not isinstance(given, DynamicCache):
+        raise ValueError(
+            f"DFlash decoding needs a cache it can crop after rejected drafts; {type(given).__name__} cannot be "
+            "cropped. Do not pass a cache object (a DynamicCache is created for you)."
+        )
+    implementation = getattr(generation_config, "cache_implementation", None)
+    if implementation not in (None, "dynamic", "dynamic_full"):
+        raise ValueError(
+            f"cache_implementation={implementation!r} cannot be cropped after rejected drafts; DFlash decoding needs a "
+            "dynamic cache. Remove `cache_implementation` from the generate() call or generation config."
+        )
+    lm_config = text_config(target.config)
+    layer_types = set(getattr(lm_config, "layer_types", None) or [])
+    if layer_types - {"full_attention", "sliding_attention", "chunked_attention"}:
+        raise ValueError(
+            f"The target has {sorted(layer_types)} layers; recurrent or linear-attention state cannot be rolled back "
+            "after a rejected draft, so DFlash supports attention-only targets."
+        )
+    return DynamicCache()
+
+
+
+def has_sliding_window(target: nn.Module) -> bool:
+    config = text_config(target.config)
+    if getattr(config, "sliding_window", None) is None or getattr(config, "use_sliding_window", True) is False:
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    return layer_types is None or "sliding_attention" in layer_types
+
+
