@@ -202,3 +202,12 @@ def test_from_target_copies_shapes_and_rope():
     prompt = random_prompt(5, seed=0)
     expected = target.generate(prompt, max_new_tokens=12, do_sample=False)
     assert torch.equal(target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=drafter), expected)
+
+
+def test_truncated_weights_file_names_the_file_and_the_fix(tmp_path):
+    target = make_target("qwen3")
+    make_drafter(target).save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ValueError, match="model.safetensors .* truncated or corrupt.*export the drafter again"):
+        AutoModel.from_pretrained(tmp_path)

@@ -410,6 +410,14 @@ class DFlashDraftModel(DFlashPreTrainedModel):
                     "only (pickled .bin weights can run code). Convert the weights with safetensors.torch.save_file."
                 ) from error
             raise
+        except Exception as error:
+            if type(error).__name__ != "SafetensorError":  # safetensors' own error type (not imported: core rule)
+                raise
+            raise ValueError(
+                f"The weights file model.safetensors in {pretrained_model_name_or_path} cannot be read: it is "
+                f"truncated or corrupt ({error}). Copy or download it again, or export the drafter again "
+                "(`dflash export`, `drafter.save_pretrained`)."
+            ) from None
         problems = {
             "missing": list(info.get("missing_keys", [])),
             "unexpected": list(info.get("unexpected_keys", [])),
