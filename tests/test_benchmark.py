@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import make_drafter, make_target, random_prompt
 
-from transformers_dflash import benchmark as bench
-from transformers_dflash.benchmark import Method, Sample
+from transformers_dflash import bench
+from transformers_dflash.bench import Method, Sample
 
 BUILTIN, BUILTIN_REASON = bench.builtin_dflash_available()
 needs_builtin = pytest.mark.skipif(not BUILTIN, reason=BUILTIN_REASON)

