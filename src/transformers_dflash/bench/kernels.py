@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..runtime import synchronize
-from .report import fmt
+from .report import fmt, table_section
 
 
 def run_linear_benchmark(model, row_counts: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128), repeats: int = 5,
@@ -61,23 +61,18 @@ def run_linear_benchmark(model, row_counts: Sequence[int] = (1, 2, 4, 8, 16, 32,
 
 
 def format_linear_markdown(rows: Sequence[Mapping[str, Any]], header: str = "") -> str:
-    lines = ["## Linear kernels: one pass over the model's nn.Linear weights", ""]
-    if header:
-        lines += [header, ""]
-    lines += [
+    """The linear-kernel table."""
+    body = [
+        f"| {r['rows']} | {r['linear_ms']:.1f} | {r['skinny_ms']:.1f} | {fmt(r['skinny_over_linear'], '.2f')} | "
+        f"{fmt(r['linear_vs_one_row'], '.2f')}x | {fmt(r['skinny_vs_one_row'], '.2f')}x |"
+        for r in rows
+    ]
+    return table_section(
+        "Linear kernels: one pass over the model's nn.Linear weights", header,
         "| rows | F.linear (ms) | skinny_linear (ms) | skinny / F.linear | F.linear vs 1 row | skinny vs 1-row F.linear |",
         "|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['rows']} | {r['linear_ms']:.1f} | {r['skinny_ms']:.1f} | {fmt(r['skinny_over_linear'], '.2f')} | "
-            f"{fmt(r['linear_vs_one_row'], '.2f')}x | {fmt(r['skinny_vs_one_row'], '.2f')}x |"
-        )
-    lines += [
-        "",
+        body,
         "rows: tokens x batch rows of a forward (a verification step of width w at batch b has w*b rows). skinny_linear "
         "takes F.linear above 256 rows and for other dtypes/devices, so those rows time the same kernel twice; one row "
         "goes through its two-column product (two copies of the row).",
-        "",
-    ]
-    return "\n".join(lines)
+    )

@@ -79,6 +79,13 @@ def fmt(value, spec: str) -> str:
     return format(value, spec)
 
 
+def table_section(title: str, header: str, columns: str, alignment: str, rows: list[str], footnote: str) -> str:
+    """A Markdown section: `## title`, an optional header, one table (`columns` and `alignment` are its first two
+    lines, `rows` the rest) and a footnote that says how to read it."""
+    lines = [f"## {title}", ""] + ([header, ""] if header else []) + [columns, alignment, *rows]
+    return "\n".join(lines + ["", footnote, ""])
+
+
 def format_markdown(report: Mapping[str, Any]) -> str:
     """The report as Markdown: settings, one table per temperature, acceptance histograms, checks, notes."""
     settings, env = report["settings"], report["environment"]
