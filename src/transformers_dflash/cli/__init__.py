@@ -8,8 +8,9 @@ One module per command in this folder: `demo`, `bench`, `export`, `convert`, and
 `transformers_dflash.data` (`regenerate`) and `transformers_dflash.training` (`features`, `train`). Each defines
 `add_<name>_arguments(parser)` and `run_<name>(args)` (`COMMANDS` names them). They import torch, transformers and the
 code they drive inside those functions, and the parser adds the options of the chosen command only, so that
-`dflash --help` and `dflash <command> --help` are instant; the package's registration with transformers runs just
-before a command does (`transformers_dflash.register`).
+`dflash --help` (and `dflash demo --help`, `dflash bench --help`) import neither torch nor transformers; the other
+commands' options come from the modules they drive, imported then. The package's registration with transformers runs
+just before a command does (`transformers_dflash.register`).
 """
 
 from __future__ import annotations
