@@ -312,14 +312,21 @@ def test_demo_draft_length_option():
         demo.parse_demo_draft_length("often", "cpu")
 
 
-def test_demo_ngram_lookup_option(monkeypatch, capsys):
-    """`dflash demo --ngram-lookup N` sets drafter.ngram_lookup (output still identical); bad values fail early."""
+@pytest.fixture
+def tiny_demo_drafter(monkeypatch):
+    """`dflash demo` on a tiny target and drafter (instead of SmolLM2 and the shipped drafter): the drafter."""
     tokenizer = tiny_tokenizer()
     target = tiny_target(tokenizer)
     torch.manual_seed(1)
     drafter = DFlashDraftModel.from_target(target, num_layers=1, block_size=4).eval()
     monkeypatch.setattr(smollm2, "load_smollm2", lambda *args, **kwargs: (target, tokenizer))
     monkeypatch.setattr(demo, "load_drafter", lambda target, path=None: (drafter, "tiny", True))
+    return drafter
+
+
+def test_demo_ngram_lookup_option(tiny_demo_drafter, capsys):
+    """`dflash demo --ngram-lookup N` sets drafter.ngram_lookup (output still identical); bad values fail early."""
+    drafter = tiny_demo_drafter
     args = ["demo", "--max-new-tokens", "8", "--repeats", "1", "--threads", "1", "--no-stream", "--device", "cpu"]
     assert cli.main(args + ["--ngram-lookup", "2"]) == 0
     out = capsys.readouterr().out
@@ -405,13 +412,10 @@ def test_thread_candidates():
     assert demo.thread_candidates(8) == [1, 2, 4, 8]
 
 
-def test_demo_chooses_the_fastest_threads_for_plain_decoding_and_keeps_the_drafter_defaults(monkeypatch, capsys):
-    tokenizer = tiny_tokenizer()
-    target = tiny_target(tokenizer)
-    torch.manual_seed(1)
-    drafter = DFlashDraftModel.from_target(target, num_layers=1, block_size=4).eval()
-    monkeypatch.setattr(smollm2, "load_smollm2", lambda *args, **kwargs: (target, tokenizer))
-    monkeypatch.setattr(demo, "load_drafter", lambda target, path=None: (drafter, "tiny", True))
+def test_demo_chooses_the_fastest_threads_for_plain_decoding_and_keeps_the_drafter_defaults(
+    tiny_demo_drafter, monkeypatch, capsys
+):
+    drafter = tiny_demo_drafter
     monkeypatch.setattr(demo, "default_threads", lambda: 2)
     probed = []
 
