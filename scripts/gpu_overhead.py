@@ -312,7 +312,7 @@ def generate_timings(target, drafter, context, new_tokens, tau, runs, device, to
     }
 
     # Where a step's time goes (a separate run, with device syncs at every boundary).
-    from transformers_dflash.benchmark import StepProfiler
+    from transformers_dflash.bench import StepProfiler
 
     with StepProfiler(target, "dflash", drafter) as profiler:
         dflash()

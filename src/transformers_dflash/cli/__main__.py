@@ -1,0 +1,7 @@
+"""`python -m transformers_dflash.cli`: the `dflash` command."""
+
+import sys
+
+from . import main
+
+sys.exit(main())
