@@ -94,9 +94,9 @@ def test_bad_configs():
         DFlashConfig(num_hidden_layers=1, layer_types=["sliding_attention"])
     with pytest.raises(ValueError, match="one entry"):
         DFlashConfig(num_hidden_layers=2, layer_types=["full_attention"])
-    with pytest.raises(ValueError, match="rope_type='yarn'"):
+    with pytest.raises(ValueError, match="rope_type='spiral' is not one of transformers' RoPE types"):
         DFlashDraftModel(DFlashConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                                      num_key_value_heads=2, rope_parameters={"rope_type": "yarn", "factor": 4.0}))
+                                      num_key_value_heads=2, rope_parameters={"rope_type": "spiral", "factor": 4.0}))
 
 
 def test_inputs_embeds_are_refused(target):

@@ -48,33 +48,56 @@ def _normalized_rope(params: dict | None, rope_theta: float) -> dict:
     return params
 
 
+# RoPE keys of a target that a drafter does not inherit: it rotates its whole head (like the released drafters, whose
+# config is a plain Qwen3 one), with one set of frequencies for every position (no multimodal sections).
+TARGET_ONLY_ROPE_KEYS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
+
+# MLP width of a drafter built for a target whose config has no dense `intermediate_size` (MoE-only configs such as
+# Qwen3.5-MoE): this many times its hidden size, the ratio of the released Qwen3 drafters (12288 for hidden 4096).
+DEFAULT_MLP_RATIO = 3
+
+
 def rope_parameters_from_config(config) -> dict:
     """RoPE settings of any transformers text config, as one dict `{"rope_type", "rope_theta", ...}`.
 
-    transformers 4.x keeps `rope_theta` and `rope_scaling` as two attributes; 5.x folds both into `rope_parameters`.
+    transformers 4.x keeps `rope_theta` and `rope_scaling` as two attributes; 5.x folds both into `rope_parameters`,
+    nested per layer type for targets whose sliding and full layers differ (Gemma 3): the full layers' settings
+    are taken then.
     """
     params = getattr(config, "rope_parameters", None)
     if not isinstance(params, dict):
         params = getattr(config, "rope_scaling", None)
-    return _normalized_rope(params, getattr(config, "rope_theta", 10000.0))
+    if isinstance(params, dict) and params and all(isinstance(v, dict) or v is None for v in params.values()):
+        params = params.get("full_attention") or next(v for v in params.values() if v)
+    return _normalized_rope(params, getattr(config, "rope_theta", None) or 10000.0)
 
 
 def decoder_shape_kwargs(config) -> dict:
     """The decoder-layer shape of a transformers text config, as `DFlashConfig` keyword arguments: hidden and MLP
     sizes, attention heads (GQA, head_dim defaulting to hidden_size // heads), activation, RMSNorm epsilon, context
-    length and RoPE. Used to build a drafter that fits a target, and to read a foreign decoder config."""
+    length and RoPE. Used to build a drafter that fits a target, and to read a foreign decoder config.
+
+    An MoE config without a dense `intermediate_size` gives `DEFAULT_MLP_RATIO * hidden_size` (pass
+    `intermediate_size=` to `from_target` to choose another). The RoPE type and scaling are kept; the keys in
+    `TARGET_ONLY_ROPE_KEYS` are dropped."""
     heads = config.num_attention_heads
+    rope = {k: v for k, v in rope_parameters_from_config(config).items() if k not in TARGET_ONLY_ROPE_KEYS}
+    if rope.get("rope_type") in ("yarn", "longrope", "llama3"):
+        rope.setdefault(
+            "original_max_position_embeddings",
+            getattr(config, "original_max_position_embeddings", None) or config.max_position_embeddings,
+        )
     return dict(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
+        intermediate_size=getattr(config, "intermediate_size", None) or DEFAULT_MLP_RATIO * config.hidden_size,
         num_attention_heads=heads,
         num_key_value_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-        hidden_act=getattr(config, "hidden_act", "silu"),
+        hidden_act=getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None) or "silu",
         max_position_embeddings=config.max_position_embeddings,
         rms_norm_eps=getattr(config, "rms_norm_eps", 1e-6),
-        rope_parameters=rope_parameters_from_config(config),
+        rope_parameters=rope,
         bos_token_id=getattr(config, "bos_token_id", None),
         eos_token_id=getattr(config, "eos_token_id", None),
     )

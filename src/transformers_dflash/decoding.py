@@ -30,6 +30,7 @@ from torch import nn
 from .candidate_generator import DFlashCandidateGenerator
 from .kernels import cpu_kernels
 from .prefill import grouped_prefill, prefill_groups
+from .state_rollback import StateRollback, legacy_qwen3_next_continuation
 from .target_model import cache_keyword, has_sliding_window, new_target_cache
 from .verification import accept_lengths, align_continuing_rows, choose_tokens, process_logits, stop_lengths
 
@@ -55,7 +56,8 @@ def dflash_decoding(
     _refuse_unsupported(drafter, generation_config, input_ids, attention_mask, synced_gpus, streamer)
     do_sample = generation_config.do_sample
     cache = new_target_cache(target, model_kwargs, generation_config)
-    state = DecodingState(input_ids, attention_mask, generation_config, cache, streamer)
+    rollback = StateRollback.for_target(target, cache)  # None for attention-only targets
+    state = DecodingState(input_ids, attention_mask, generation_config, cache, streamer, rollback)
     generator = DFlashCandidateGenerator(drafter, target, generation_config, logits_processor)
     forward_keyword = cache_keyword(target)
 
@@ -66,10 +68,11 @@ def dflash_decoding(
         ).logits
 
     # Sliding-window layers measure their window in cache slots; holes left by ragged acceptance would shrink the
-    # window of the rows that accepted less. For such targets, batched rows commit the same number of tokens per step.
-    align_rows = input_ids.shape[0] > 1 and has_sliding_window(target)
+    # window of the rows that accepted less, and a recurrent state cannot have holes. For such targets, batched rows
+    # commit the same number of tokens per step.
+    align_rows = input_ids.shape[0] > 1 and (has_sliding_window(target) or rollback is not None)
     use_kernels = generator.fast_cpu_linears and input_ids.device.type == "cpu"
-    with cpu_kernels(target, drafter) if use_kernels else contextlib.nullcontext():
+    with cpu_kernels(target, drafter) if use_kernels else contextlib.nullcontext(), legacy_qwen3_next_continuation(target):
         try:
             keep = prefill(state, input_ids, target, target_forward, generator, logits_processor, stopping_criteria, do_sample)
             while keep:
@@ -79,6 +82,8 @@ def dflash_decoding(
                 verify_start = time.perf_counter()
                 candidates = torch.cat([state.anchor[:, None], drafts], dim=1)  # 2. verify
                 block_positions = state.open_block(candidates.shape[1])
+                if rollback is not None:
+                    rollback.snapshot()
                 raw = target_forward(candidates, block_positions, state.context_mask, candidates.shape[1]).float()
                 processed = process_logits(
                     logits_processor, state.sequences, state.active, state.lengths, candidates, raw
@@ -97,6 +102,8 @@ def dflash_decoding(
                 keep = state.commit(choices, num_new, stopped, raw, processed)  # 4. commit
                 if keep:
                     state.close_block(choices, num_new, keep, block_positions, generator.captured_features(), drafted)
+                    if rollback is not None:  # recurrent state: back to before the block, re-feed the kept tokens
+                        rollback.settle(target_forward, candidates, block_positions, state.context_mask, num_new, keep)
         finally:
             generator.close()
     if streamer is not None:
@@ -155,7 +162,7 @@ class DecodingState:
     target cache slot (shared with the drafter's context cache; None while every slot is valid).
     """
 
-    def __init__(self, input_ids, attention_mask, generation_config, cache, streamer):
+    def __init__(self, input_ids, attention_mask, generation_config, cache, streamer, rollback=None):
         batch, prompt_len = input_ids.shape
         device = input_ids.device
         pad_token_id = getattr(generation_config, "_pad_token_tensor", None)
@@ -170,6 +177,8 @@ class DecodingState:
         self.scores = [[] for _ in range(batch)] if keep_outputs and generation_config.output_scores else None
         self.logits = [[] for _ in range(batch)] if keep_outputs and generation_config.output_logits else None
         self.cache, self.streamer = cache, streamer
+        # Crops and row selections go through the rollback on hybrid caches (their recurrent layers cannot crop).
+        self.cache_ops = rollback if rollback is not None else cache
         self.active = list(range(batch))
         self.anchor = self.context = None  # set by the prefill
         if attention_mask is not None:
@@ -195,7 +204,7 @@ class DecodingState:
             return
         index = torch.tensor(keep, device=self.anchor.device)
         self.active = [self.active[i] for i in keep]
-        self.cache.batch_select_indices(index)
+        self.cache_ops.batch_select_indices(index)
         drafter_cache.batch_select_indices(index)
         self.anchor, self.next_position = self.anchor[index], self.next_position[index]
         self.context, self.context_positions = self.context[index], self.context_positions[index]
@@ -231,7 +240,7 @@ class DecodingState:
         width = block_positions.shape[1]
         kept_slots = max(num_new[i] for i in keep)  # anchor + accepted drafts of the longest continuing row
         if width > kept_slots:
-            self.cache.crop(-(width - kept_slots))
+            self.cache_ops.crop(-(width - kept_slots))
         device = block_positions.device
         if self.context_mask is not None or min(num_new) < kept_slots:  # some row left holes: track them
             num_kept = torch.tensor(num_new, device=device).clamp(max=kept_slots)

@@ -19,6 +19,7 @@ from .generation_hook import install_generation_hook
 from .modeling_dflash import DFlashDrafterCache, DFlashDraftModel
 from .ngram_lookup import NgramLookup
 from .prefill import grouped_prefill, prefill_groups
+from .state_rollback import StateRollback, check_state_rollback
 from .target_model import check_drafter_fits_target, text_config
 from .verification import accept_lengths, choose_tokens, process_logits, stop_lengths
 
@@ -33,8 +34,10 @@ __all__ = [
     "DFlashDrafterCache",
     "FullBlock",
     "NgramLookup",
+    "StateRollback",
     "accept_lengths",
     "check_drafter_fits_target",
+    "check_state_rollback",
     "choose_tokens",
     "code_files",
     "cpu_kernels",

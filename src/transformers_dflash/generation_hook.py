@@ -83,9 +83,18 @@ def install_generation_hook(drafter_class: type) -> None:
     @functools.wraps(original_generate)
     def generate(self, *args, **kwargs):
         implementation = _implementation(kwargs.get("assistant_model"))
-        if implementation is not None:
-            kwargs = implementation[0](kwargs["assistant_model"], self, args, kwargs)
-        return original_generate(self, *args, **kwargs)
+        if implementation is None:
+            return original_generate(self, *args, **kwargs)
+        kwargs = implementation[0](kwargs["assistant_model"], self, args, kwargs)
+        # transformers refuses assisted generation for every stateful model; the checks above accepted this one, whose
+        # recurrent state DFlash decoding rolls back (state_rollback.py). Lift the flag for this call only.
+        if not getattr(self, "_is_stateful", False):
+            return original_generate(self, *args, **kwargs)
+        self._is_stateful = False
+        try:
+            return original_generate(self, *args, **kwargs)
+        finally:
+            del self._is_stateful
 
     @functools.wraps(original_assisted_decoding)
     def _assisted_decoding(self, input_ids, *args, assistant_model=None, **kwargs):

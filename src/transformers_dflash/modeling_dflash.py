@@ -13,7 +13,6 @@ rows at their true positions, block rows at `start .. start + block_size - 1`. T
 drafter's outputs into draft logits.
 """
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -46,33 +45,58 @@ class DFlashRMSNorm(nn.Module):
         return self.weight * hidden_states.to(input_dtype)
 
 
+class _RopeSettings:
+    """The attributes transformers' RoPE initialisers read from a config, for the drafter's head.
+
+    transformers 4.57 reads `rope_theta` and `rope_scaling`; 5.x reads `rope_parameters` (after
+    `standardize_rope_params`, a no-op here: the dict is complete). The drafter rotates its whole head."""
+
+    def __init__(self, config: DFlashConfig):
+        params = dict(config.rope_parameters)
+        params.setdefault("rope_type", "default")
+        self.rope_parameters = self.rope_scaling = params
+        self.rope_theta = params["rope_theta"]
+        self.head_dim = config.head_dim
+        self.hidden_size = config.hidden_size
+        self.num_attention_heads = config.num_attention_heads
+        self.max_position_embeddings = config.max_position_embeddings
+        self.partial_rotary_factor = 1.0
+
+    def standardize_rope_params(self):
+        pass
+
+
 def _rope_inverse_frequencies(config: DFlashConfig) -> torch.Tensor:
-    """Inverse frequencies for the RoPE types a drafter can inherit from its target: default, linear, llama3."""
-    params = config.rope_parameters
+    """The drafter's RoPE inverse frequencies, float32 (see `_rope_init`)."""
+    return _rope_init(config)[0]
+
+
+def _rope_init(config: DFlashConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (float32) and cos/sin scale of the drafter's RoPE, from transformers' own initialisers
+    (`transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS`), so every RoPE type a target can have works: default,
+    linear, llama3, yarn (gpt-oss), longrope, dynamic (at its initial frequencies: the drafter does not re-scale
+    them with the sequence length)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    settings = _RopeSettings(config)
+    rope_type = settings.rope_parameters["rope_type"]
     dim = config.head_dim
-    inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    rope_type = params.get("rope_type", "default")
     if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / params["factor"]
-    if rope_type == "llama3":
-        factor = params["factor"]
-        low_freq_factor = params["low_freq_factor"]
-        high_freq_factor = params["high_freq_factor"]
-        old_context_len = params["original_max_position_embeddings"]
-        low_freq_wavelen = old_context_len / low_freq_factor
-        high_freq_wavelen = old_context_len / high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-        return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(
-        f"The drafter does not implement rope_type={rope_type!r}; supported: 'default', 'linear', 'llama3'. "
-        "Set rope_parameters to one of those in the drafter's config.json."
-    )
+        inv_freq = 1.0 / (settings.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        return inv_freq, 1.0
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(
+            f"rope_type={rope_type!r} is not one of transformers' RoPE types ({sorted(ROPE_INIT_FUNCTIONS)}). Set "
+            "rope_parameters in the drafter's config.json to one of those."
+        )
+    try:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](settings, torch.device("cpu"))
+    except (KeyError, TypeError) as error:
+        raise ValueError(
+            f"The drafter's rope_parameters {settings.rope_parameters} lack a setting that rope_type={rope_type!r} "
+            f"needs ({error!r}); copy them from the target's config."
+        ) from error
+    return inv_freq.float(), float(scaling)
 
 
 class DFlashRotaryEmbedding(nn.Module):
@@ -80,13 +104,14 @@ class DFlashRotaryEmbedding(nn.Module):
 
     The inverse frequencies are computed from the config in float32 and kept per device OUTSIDE the module's
     buffers: a buffer would be rounded by `drafter.to(torch.bfloat16)` (angles drift by radians at long positions) and
-    is left uninitialised by transformers 5's meta-device loading.
+    is left uninitialised by transformers 5's meta-device loading. RoPE types with an attention scale (yarn) scale
+    cos and sin by it, as transformers' rotary embeddings do.
     """
 
     def __init__(self, config: DFlashConfig):
         super().__init__()
         self.config = config
-        inv_freq = _rope_inverse_frequencies(config)  # also validates the RoPE settings at construction
+        inv_freq, self.attention_scaling = _rope_init(config)  # also validates the RoPE settings
         self._inv_freq: dict[torch.device, torch.Tensor] = {inv_freq.device: inv_freq}
 
     def inv_freq(self, device: torch.device) -> torch.Tensor:
@@ -98,7 +123,10 @@ class DFlashRotaryEmbedding(nn.Module):
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq(x.device)
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_scaling != 1.0:
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        return cos.to(x.dtype), sin.to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .state_rollback import has_recurrent_state
 from .target_model import has_sliding_window
 
 
@@ -19,9 +20,10 @@ def prefill_groups(mask: torch.Tensor, target: nn.Module) -> list[list[int]] | N
     A forward of few tokens uses a CPU less well than a long one (prefilling prompts one by one was measured slower
     than their padded batch), so rows are grouped by length, longest first, while a group's slots stay within 1.25x
     its tokens, and the groups are used only if they save a fifth of the slots. Accelerators run the padded batch in
-    parallel, and sliding-window layers measure their window in cache slots, so both keep the padded prefill.
+    parallel, and sliding-window layers measure their window in cache slots, so both keep the padded prefill. So do
+    hybrid targets: their recurrent state has no slots to lay out (left padding enters it as zero inputs instead).
     """
-    if mask.device.type != "cpu" or mask.shape[0] == 1 or has_sliding_window(target):
+    if mask.device.type != "cpu" or mask.shape[0] == 1 or has_sliding_window(target) or has_recurrent_state(target):
         return None
     lengths = mask.sum(-1).tolist()
     groups: list[list[int]] = []

@@ -8,6 +8,8 @@ import inspect
 
 from torch import nn
 
+from .state_rollback import check_state_rollback, has_recurrent_state, new_hybrid_cache
+
 
 def text_config(config):
     """The language-model part of a config (multimodal models nest it; plain LMs return themselves)."""
@@ -34,11 +36,7 @@ def check_drafter_fits_target(drafter: nn.Module, target: nn.Module) -> None:
     target_config = text_config(target.config)
     if getattr(target.config, "is_encoder_decoder", False):
         raise ValueError("DFlash drafters need a decoder-only target; this target is an encoder-decoder model.")
-    if getattr(target, "_is_stateful", False):
-        raise ValueError(
-            f"{type(target).__name__} keeps recurrent state that cannot be rolled back after a rejected draft, so "
-            "DFlash (like all speculative decoding) cannot verify drafts with it."
-        )
+    check_state_rollback(target)  # hybrid targets: their recurrent state must be restorable (state_rollback.py)
     _, layers = decoder_layers(target)
     embeddings, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     if lm_head is None:
@@ -89,6 +87,7 @@ def new_target_cache(target: nn.Module, model_kwargs: dict, generation_config):
     """A fresh dynamic cache of full-attention layers: every layer of it can be cropped after a rejected draft.
 
     Sliding-window targets still attend within their window: their masks come from the config, not the cache.
+    Hybrid targets get their own layout, whose recurrent state `StateRollback` restores instead.
     """
     from transformers.cache_utils import DynamicCache
 
@@ -109,13 +108,8 @@ def new_target_cache(target: nn.Module, model_kwargs: dict, generation_config):
             f"cache_implementation={implementation!r} cannot be cropped after rejected drafts; DFlash decoding needs a "
             "dynamic cache. Remove `cache_implementation` from the generate() call or generation config."
         )
-    lm_config = text_config(target.config)
-    layer_types = set(getattr(lm_config, "layer_types", None) or [])
-    if layer_types - {"full_attention", "sliding_attention", "chunked_attention"}:
-        raise ValueError(
-            f"The target has {sorted(layer_types)} layers; recurrent or linear-attention state cannot be rolled back "
-            "after a rejected draft, so DFlash supports attention-only targets."
-        )
+    if has_recurrent_state(target):
+        return new_hybrid_cache(target)  # attention layers croppable, recurrent state restored (state_rollback.py)
     return DynamicCache()
 
 

@@ -1,0 +1,234 @@
+"""Hybrid targets (linear-attention / state-space layers next to attention): the rollback of their recurrent and
+convolution state (state_rollback.py).
+
+- the claim the design rests on: for every accepted model type, a multi-token forward from a cache continues the
+  cached state exactly (on transformers 4.57 only with `legacy_qwen3_next_continuation`, whose need is shown too);
+- after every step the cached state equals what plain decoding of the committed tokens leaves;
+- batches: rows finishing at different steps leave the batch, left padding, rows equal plain batched generate();
+- sampling is distributed as the target's (chi-square, helpers of tests/test_generation_sampling.py);
+- what cannot be rolled back is refused with an error that names the state.
+"""
+
+import contextlib
+
+import pytest
+import torch
+from conftest import PAD, VOCAB, make_drafter
+from families import FAMILIES, HYBRID, MAJOR, available, left_pad, make_family_target
+from test_generation_sampling import NEW, TEMPERATURE, TOP_K, _chi_square, _critical_value, _exact_distribution
+
+from transformers_dflash import DFlashCandidateGenerator, decoding, state_rollback
+from transformers_dflash.state_rollback import STATE_CONTINUING_MODEL_TYPES, StateRollback, check_state_rollback
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SUPPORTED = [n for n in HYBRID if available(n) and FAMILIES[n][0] in STATE_CONTINUING_MODEL_TYPES[MAJOR]]
+MAIN = ["qwen3_5", "qwen3_next"] if MAJOR >= 5 else ["qwen3_next"]
+
+
+def _cache_keyword(target):
+    from transformers_dflash.target_model import cache_keyword
+
+    return cache_keyword(target)
+
+
+def _state_tensors(cache):
+    rollback = StateRollback(cache)
+    return [container[key].clone() for container, key in rollback._state_slots()]
+
+
+def _drafter(target, block_size=4, seed=1):
+    drafter = make_drafter(target, block_size=block_size, seed=seed)
+    drafter.draft_length, drafter.ngram_lookup = "full", 0
+    return drafter
+
+
+@pytest.mark.parametrize("name", SUPPORTED)
+def test_multi_token_forward_continues_the_cached_state(name):
+    """Verification feeds a block in one forward after the cached prefix: it must give the full forward's logits."""
+    target = make_family_target(name)
+    seq = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    cache = state_rollback.new_hybrid_cache(target)
+    keyword = _cache_keyword(target)
+    with torch.no_grad(), state_rollback.legacy_qwen3_next_continuation(target):
+        target(input_ids=seq[:, :7], use_cache=True, **{keyword: cache})
+        continued = target(input_ids=seq[:, 7:], use_cache=True, **{keyword: cache}).logits
+        full = target(input_ids=seq).logits[:, 7:]
+    assert (continued - full).abs().max() < 1e-4  # float32 inside the linear-attention kernels
+
+
+@pytest.mark.skipif(MAJOR >= 5, reason="transformers 4.57's Qwen3-Next only")
+def test_legacy_qwen3_next_needs_the_continuation_patch(oracle, monkeypatch):
+    """Without `legacy_qwen3_next_continuation`, 4.57's Qwen3-Next verifies blocks from a zero state: wrong output."""
+    target = make_family_target("qwen3_next")
+    prompt = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(1))
+    expected = target.generate(prompt, max_new_tokens=20, do_sample=False)
+    oracle([expected[0]], corrupt=0.3)
+    monkeypatch.setattr(decoding, "legacy_qwen3_next_continuation", lambda target: contextlib.nullcontext())
+    out = target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=_drafter(target))
+    assert not torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("name", MAIN)
+def test_state_before_each_verification_equals_plain_decoding(name, oracle, monkeypatch):
+    """Before every verification the recurrent and conv states equal those of a fresh forward over the committed
+    tokens (all but the anchor): each partial accept was rolled back exactly."""
+    target = make_family_target(name)
+    prompt = torch.randint(3, VOCAB, (1, 5), generator=torch.Generator().manual_seed(2))
+    expected = target.generate(prompt, max_new_tokens=24, do_sample=False)
+    oracle([expected[0]], corrupt=0.5, seed=3)
+    seen = []
+    snapshot = StateRollback.snapshot
+
+    def recording_snapshot(self):
+        seen.append((self.cache.get_seq_length(), _state_tensors(self.cache)))
+        return snapshot(self)
+
+    monkeypatch.setattr(StateRollback, "snapshot", recording_snapshot)
+    drafter = _drafter(target, block_size=5)
+    out = target.generate(prompt, max_new_tokens=24, do_sample=False, assistant_model=drafter)
+    assert torch.equal(out, expected)
+    assert any(1 < n < 5 for n in drafter.last_acceptance_lengths)  # partial accepts happened
+    keyword = _cache_keyword(target)
+    for slots, states in seen:
+        fresh = state_rollback.new_hybrid_cache(target)
+        with torch.no_grad():
+            target(input_ids=out[:, :slots], use_cache=True, **{keyword: fresh})
+        reference = _state_tensors(fresh)
+        assert len(reference) == len(states)
+        for got, want in zip(states, reference):
+            assert torch.allclose(got.double(), want.double(), atol=1e-5), f"state differs after {slots} tokens"
+
+
+@pytest.mark.parametrize("name", MAIN)
+def test_batch_rows_leave_at_different_steps(name, oracle):
+    """EOS ends rows at different steps (their state rows leave the batch); left padding enters the recurrent state
+    as zero inputs. Rows equal plain batched generate() and, here, single-row generate() too."""
+    target = make_family_target(name)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g) for n in (2, 11, 6, 8)]
+    free = [target.generate(p[None], max_new_tokens=20, do_sample=False)[0, len(p) :] for p in prompts]
+    eos = sorted({int(free[0][4]), int(free[2][9])})  # row 0 and row 2 stop early (others may too)
+    kwargs = dict(max_new_tokens=20, do_sample=False, eos_token_id=eos, pad_token_id=PAD)
+    ids, mask = left_pad(prompts)
+    expected = target.generate(ids, attention_mask=mask, **kwargs)
+    singles = [target.generate(p[None], **kwargs)[0] for p in prompts]
+    for row, single in enumerate(singles):  # plain transformers: padded batched prefill of a hybrid behaves
+        start = ids.shape[1] - len(prompts[row])
+        assert torch.equal(expected[row, start : start + len(single)], single)
+    oracle(singles, corrupt=0.3, seed=6)
+    drafter = _drafter(target)
+    out = target.generate(ids, attention_mask=mask, assistant_model=drafter, **kwargs)
+    assert torch.equal(out, expected)
+    lengths = [sum(row) for row in drafter.last_acceptance_lengths]
+    assert len(set(lengths)) > 1  # rows really finished at different steps
+
+
+def test_hybrid_targets_keep_the_padded_prefill():
+    from transformers_dflash.prefill import prefill_groups
+
+    lengths = [53, 60, 64, 90, 68, 106, 65, 54, 56, 59, 210, 286, 54, 69, 58, 49]  # grouped for attention targets
+    width = max(lengths)
+    mask = (torch.arange(width)[None] >= torch.tensor([width - n for n in lengths])[:, None]).long()
+    assert prefill_groups(mask, make_family_target("qwen3")) is not None
+    assert prefill_groups(mask, make_family_target("qwen3_next")) is None
+
+
+# Fewer samples than tests/test_generation_sampling.py (4000): transformers' PyTorch delta-rule kernel pads every
+# multi-token forward to a 64-token chunk, so hybrid rows cost far more than attention rows. Batches of 250 rows keep
+# its intermediate tensors small.
+SAMPLES, BATCH = 2000, 250
+
+
+@pytest.mark.parametrize("name, proposals", [(MAIN[0], "mode"), (MAIN[-1], "untrained")])
+def test_sampling_matches_the_target_distribution(name, proposals, monkeypatch):
+    target = make_family_target(name, dtype=torch.float32, vocab_size=6, seed=3, scale=2.0)
+    prompt = torch.tensor([[1, 4, 3]])
+    probs = _exact_distribution(target, prompt)
+    drafter = _drafter(target)
+    if proposals == "mode":
+        original = DFlashCandidateGenerator.draft
+
+        def draft(self, anchor_ids, anchor_position_ids, *args, **kwargs):
+            drafts, confidence = original(self, anchor_ids, anchor_position_ids, *args, **kwargs)
+            # the target's most likely continuation of [prompt, anchor]: accepted often, rejected often
+            ids = torch.cat([prompt.repeat(anchor_ids.shape[0], 1), anchor_ids[:, None]], dim=1)
+            for k in range(drafts.shape[1]):
+                drafts[:, k] = target(ids).logits[:, -1].argmax(-1)
+                ids = torch.cat([ids, drafts[:, k : k + 1]], dim=1)
+            return drafts, confidence
+
+        monkeypatch.setattr(DFlashCandidateGenerator, "draft", draft)
+    torch.manual_seed(0)
+    counts, accepted = {}, []
+    for _ in range(SAMPLES // BATCH):
+        out = target.generate(
+            prompt.repeat(BATCH, 1), do_sample=True, temperature=TEMPERATURE, top_k=TOP_K, max_new_tokens=NEW,
+            pad_token_id=0, assistant_model=drafter,
+        )
+        for row in out[:, prompt.shape[1] :].tolist():
+            counts[tuple(row)] = counts.get(tuple(row), 0) + 1
+        accepted += [n for row in drafter.last_acceptance_lengths for n in row[1:]]
+    stat, df, outside = _chi_square(counts, probs, SAMPLES)
+    assert outside == 0, "DFlash sampled a sequence the target gives probability 0"
+    assert stat < _critical_value(df), f"chi2={stat:.1f} over {df} df: DFlash sampling is not the target's"
+    if proposals == "mode":
+        assert max(accepted) > 1 and min(accepted) == 1  # drafts were accepted, and rejected
+
+
+# --- what cannot be rolled back -------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(MAJOR < 5, reason="Bamba's cache is the unified one of transformers >= 5")
+def test_a_mamba_target_that_does_not_continue_its_state_is_refused():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "bamba", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1,
+        mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16,
+    )
+    target = AutoModelForCausalLM.from_config(config).eval()
+    drafter = make_drafter(target)
+    with pytest.raises(ValueError, match="Mamba recurrent and convolution state.*several new tokens"):
+        target.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, assistant_model=drafter)
+
+
+@pytest.mark.skipif(MAJOR < 5, reason="cache layer classes exist in transformers >= 5")
+def test_a_cache_layer_that_cannot_roll_back_is_refused(monkeypatch):
+    from transformers import cache_utils
+
+    class RecordingLinearLayer(cache_utils.LinearAttentionLayer):
+        """A linear-attention cache layer of another kind (say, one that keeps per-token states on a device)."""
+
+    monkeypatch.setitem(cache_utils.DYNAMIC_LAYER_TYPE_MAPPING, "linear_attention", RecordingLinearLayer)
+    target = make_family_target("qwen3_5")
+    drafter = make_drafter(target)
+    with pytest.raises(ValueError, match="Layer 0 of Qwen3_5ForCausalLM's cache is a RecordingLinearLayer"):
+        target.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, assistant_model=drafter)
+
+
+def test_an_unchecked_hybrid_model_type_is_refused(monkeypatch):
+    name = MAIN[0]
+    target = make_family_target(name)
+    model_type = FAMILIES[name][0]
+    monkeypatch.setitem(STATE_CONTINUING_MODEL_TYPES, MAJOR, STATE_CONTINUING_MODEL_TYPES[MAJOR] - {model_type})
+    with pytest.raises(ValueError, match="recurrent"):
+        check_state_rollback(target)
+    with pytest.raises(ValueError, match="recurrent"):
+        target.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, assistant_model=make_drafter(target))
+
+
+def test_a_static_cache_is_refused_for_hybrids():
+    target = make_family_target(MAIN[0])
+    with pytest.raises(ValueError, match="cache_implementation='static' cannot be cropped"):
+        target.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, assistant_model=make_drafter(target),
+                        cache_implementation="static")
+
+
+def test_the_stateful_flag_is_restored_after_generate():
+    target = make_family_target(MAIN[0])
+    target.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, assistant_model=_drafter(target))
+    assert target._is_stateful and "_is_stateful" not in target.__dict__
+    with pytest.raises(ValueError, match="stateful"):  # transformers' own refusal for other assistants stays
+        target.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, assistant_model=make_family_target("qwen3"))
