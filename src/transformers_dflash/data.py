@@ -833,10 +833,14 @@ def _context_limit(target: Any, tokenizer: Any) -> int | None:
     return min(limits) if limits else None
 
 
+def _chat_messages(prompt: str, system_prompt: str | None) -> list[dict]:
+    return ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
+        [{"role": "user", "content": prompt}]
+
+
 def _chat_token_ids(tokenizer: Any, prompt: str, system_prompt: str | None, chat_template: str | None,
                     chat_template_kwargs: dict | None) -> list[int]:
-    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
-        [{"role": "user", "content": prompt}]
+    messages = _chat_messages(prompt, system_prompt)
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
                                          chat_template=chat_template, **(chat_template_kwargs or {}))
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -1070,6 +1074,7 @@ def regenerate(
     empty = [i for i, p in enumerate(prompts) if not p.strip()]
     if len(empty) == len(prompts):
         raise ValueError("all prompts are empty")
+    engine.prepare()  # e.g. a server with another tokenizer is refused here, before anything is written
     if empty:
         logger.warning("%d empty prompt(s) will be skipped (first at index %d)", len(empty), empty[0])
 
@@ -1129,7 +1134,8 @@ def regenerate(
             "shards": {},
         }
     manifest["settings"]["engine"] = engine_settings
-    manifest.update(num_shards=num_shards, batch_size=int(batch_size), shard_format=shard_format,
+    manifest.update(num_shards=num_shards, batch_size=int(engine.runtime().get("batch_size") or batch_size),
+                    shard_format=shard_format,
                     engine_runtime=engine.runtime(), versions=_versions())
     shards_info: dict = manifest.setdefault("shards", {})
 
@@ -1387,9 +1393,9 @@ def _load_tokenizer(spec: str, tokenizer_path: str | None) -> Any:
     return AutoTokenizer.from_pretrained(spec)
 
 
-def build_engine(args: argparse.Namespace, target: Any, tokenizer: Any, chat_probe_ids: list[int]) -> Any:
+def build_engine(args: argparse.Namespace, target: Any, tokenizer: Any, chat_probe_ids: list[int] | None) -> Any:
     """The engine ``--engine`` asks for (see :func:`add_engine_arguments`)."""
-    from .engines import CTranslate2Engine, OpenAIEngine
+    from .engines import PROBE_PROMPT, CTranslate2Engine, OpenAIEngine
 
     if args.engine != "transformers" and args.do_sample:
         raise DataError(f"--do-sample works with --engine transformers only; the {args.engine} engine decodes "
@@ -1408,7 +1414,13 @@ def build_engine(args: argparse.Namespace, target: Any, tokenizer: Any, chat_pro
         raise DataError("--engine openai needs --server-url (the server's base URL, e.g. http://127.0.0.1:8000)")
     return OpenAIEngine(args.server_url, tokenizer, eos_ids, model=args.server_model, concurrency=args.concurrency,
                         max_retries=args.max_retries, backoff=args.retry_backoff, timeout=args.request_timeout,
-                        prompt_format=args.server_prompt_format, chat_probe_ids=chat_probe_ids)
+                        prompt_format=args.server_prompt_format, chat_probe_ids=chat_probe_ids,
+                        # a --chat-template of the user's own is not the server's: compare chat formatting only
+                        # when both use the target's template
+                        chat_probe_messages=None if args.chat_template else _chat_messages(PROBE_PROMPT,
+                                                                                            args.system_prompt),
+                        chat_template_kwargs=json.loads(args.chat_template_kwargs) if args.chat_template_kwargs
+                        else None)
 
 
 def run_regenerate(args: argparse.Namespace) -> int:

@@ -6,6 +6,8 @@ Every engine has the same small interface, so :func:`transformers_dflash.data.re
   (chat-formatted token ids), the response token ids up to and including the first EOS token, or `max_new_tokens`
   tokens when no EOS came. The results are in the order of the prompts. ``on_batch(prompts, tokens)`` is called as
   work finishes (progress).
+* ``prepare()``: checks made before anything is written (the server's model and tokenizer); called once by
+  ``regenerate`` (``generate`` calls it too if needed).
 * ``settings() -> dict``: what decides the output (recorded in the manifest; resuming with other settings is refused).
 * ``runtime() -> dict``: how it ran (batch size, threads, URL: recorded, not checked).
 
@@ -110,14 +112,20 @@ def length_buckets(lengths: Sequence[int], batch_size: int, max_new_tokens: int,
     return batches
 
 
+_VOLATILE_CONFIG_KEYS = {"_name_or_path", "name_or_path", "transformers_version", "architectures", "_commit_hash",
+                         "dtype", "torch_dtype", "_attn_implementation", "_attn_implementation_autoset",
+                         "_attn_implementation_internal", "attn_implementation", "use_cache"}
+
+
 def weights_sha256(model: Any) -> str:
     """SHA-256 of a torch model's state dict (names, dtypes, shapes and bytes) and its config."""
     import torch
 
     h = hashlib.sha256()
     config = getattr(model, "config", None)
-    if config is not None:
-        h.update(config.to_json_string(use_diff=False).encode("utf-8"))
+    if config is not None:  # without what saving or loading changes (names, versions; dtypes show in the tensors)
+        settings = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+        h.update(json.dumps(settings, sort_keys=True, default=str).encode("utf-8"))
     for name, tensor in sorted(model.state_dict().items()):
         t = tensor.detach().to("cpu").contiguous()
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode("utf-8"))
@@ -173,6 +181,9 @@ class TransformersEngine:
     @property
     def do_sample(self) -> bool:
         return bool(getattr(self.generation_config, "do_sample", False))
+
+    def prepare(self) -> None:
+        """Nothing to check: the model is here."""
 
     def settings(self) -> dict:
         return {"name": self.name, "dtype": _model_dtype(self.model), "do_sample": self.do_sample}
@@ -280,6 +291,7 @@ def convert_to_ctranslate2(model: Any, tokenizer: Any, cache_dir: str | os.PathL
         model.save_pretrained(hf_dir, safe_serialization=True)
         tokenizer.save_pretrained(hf_dir)
         TransformersConverter(str(hf_dir)).convert(str(out_dir), force=True)
+        _fill_missing_special_tokens(out_dir / "config.json", tokenizer)
         (out_dir / CT2_MARKER).write_text(json.dumps({"key": key, "ctranslate2": ctranslate2.__version__}) + "\n")
         try:
             os.replace(out_dir, folder)
@@ -290,6 +302,17 @@ def convert_to_ctranslate2(model: Any, tokenizer: Any, cache_dir: str | os.PathL
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return folder, key
+
+
+def _fill_missing_special_tokens(config_path: Path, tokenizer: Any) -> None:
+    """CTranslate2 refuses a model whose config has no BOS/EOS/UNK token string (a tokenizer without a BOS token, e.g.
+    Qwen's): fill the gaps with a token that exists. Prompts are passed whole, so these are never generated from."""
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    fallback = tokenizer.eos_token or tokenizer.convert_ids_to_tokens(0)
+    for key in ("bos_token", "eos_token", "unk_token"):
+        if config.get(key) is None:
+            config[key] = fallback
+    config_path.write_text(json.dumps(config, indent=2), encoding="utf-8")
 
 
 def _check_ct2_vocabulary(folder: Path, tokenizer: Any) -> list[str]:
@@ -344,6 +367,9 @@ class CTranslate2Engine:
                           cache_dir: str | os.PathLike | None = None, **kwargs: Any) -> "CTranslate2Engine":
         folder, key = convert_to_ctranslate2(model, tokenizer, cache_dir)
         return cls(folder, tokenizer, eos_token_ids, model_key=key, **kwargs)
+
+    def prepare(self) -> None:
+        """Nothing to check: the vocabulary was checked when the model was loaded."""
 
     def settings(self) -> dict:
         return {"name": self.name, "compute_type": self.compute_type, "device": self.device,
@@ -414,6 +440,7 @@ class OpenAIEngine:
     def __init__(self, url: str, tokenizer: Any, eos_token_ids: Sequence[int], *, model: str | None = None,
                  concurrency: int = 8, max_retries: int = 5, backoff: float = 1.0, max_backoff: float = 30.0,
                  timeout: float = 600.0, prompt_format: str = "ids", chat_probe_ids: Sequence[int] | None = None,
+                 chat_probe_messages: list[dict] | None = None, chat_template_kwargs: dict | None = None,
                  sleep: Callable[[float], None] = time.sleep) -> None:
         if prompt_format not in ("ids", "text"):
             raise ValueError(f"prompt_format must be 'ids' or 'text', got {prompt_format!r}")
@@ -435,12 +462,19 @@ class OpenAIEngine:
         self.timeout = float(timeout)
         self.prompt_format = prompt_format
         self.chat_probe_ids = list(chat_probe_ids) if chat_probe_ids is not None else None
+        self.chat_probe_messages = chat_probe_messages
+        self.chat_template_kwargs = chat_template_kwargs
         self.sleep = sleep
         self.response_ids_source: str | None = None
         self.checked = False
         self._lock = threading.Lock()
 
     # -- settings ------------------------------------------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Find the served model (if not named) and check the server's tokenizer, once."""
+        if not self.checked:
+            self.check_server()
 
     def settings(self) -> dict:
         return {"name": self.name, "model": self.model, "prompt_format": self.prompt_format, "temperature": 0.0}
@@ -514,6 +548,20 @@ class OpenAIEngine:
             return tokens
         return None
 
+    def _server_chat_tokenize(self, messages: list[dict]) -> list[int] | None:
+        """The server's chat-formatted token ids for `messages` (vLLM's /tokenize with messages), or None."""
+        body = {"model": self.model, "messages": messages, "add_generation_prompt": True, "add_special_tokens": False}
+        if self.chat_template_kwargs:
+            body["chat_template_kwargs"] = self.chat_template_kwargs
+        try:
+            answer = self._request_once("POST", "/tokenize", body)
+        except _HTTPFailure:
+            return None
+        tokens = answer.get("tokens")
+        if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens):
+            return tokens
+        return None
+
     def _server_prompt_count(self, text: str) -> tuple[int | None, list[int] | None]:
         """(prompt token count the server reports for `text`, its prompt token ids if it returns them)."""
         answer = self._request("POST", "/v1/completions", self._completion_body(text, 1))
@@ -549,6 +597,17 @@ class OpenAIEngine:
                 compared += 1
                 if count != len(ours):
                     raise self._mismatch(text, f"it counts {count} prompt tokens, the target's tokenizer {len(ours)}")
+        if self.chat_probe_messages is not None and self.chat_probe_ids is not None:
+            theirs = self._server_chat_tokenize(self.chat_probe_messages)
+            if theirs is not None and theirs != self.chat_probe_ids:
+                raise TokenizerMismatchError(
+                    f"The server at {self.url} (model {self.model!r}) formats chats differently from the target: its "
+                    f"chat template turns the probe conversation into {len(theirs)} tokens, the target's into "
+                    f"{len(self.chat_probe_ids)} ({self.tokenizer.decode(theirs[:24])!r}... vs "
+                    f"{self.tokenizer.decode(self.chat_probe_ids[:24])!r}...). It probably serves another model or "
+                    "revision; its answers would not be the target's, so they are refused. Fix: serve the target "
+                    "itself (with its own chat template), or pass the server's template with --chat-template if it "
+                    "is the one the target should answer in.")
         if not compared:
             raise TokenizerMismatchError(
                 f"The server at {self.url} reports neither /tokenize results nor usage.prompt_tokens, so it cannot be "
@@ -629,8 +688,7 @@ class OpenAIEngine:
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], max_new_tokens: int, *, seed: int | None = None,
                  on_batch: OnBatch | None = None) -> list[list[int]]:
-        if not self.checked:
-            self.check_server()
+        self.prepare()
         prompts = [list(p) for p in prompt_token_ids]
         results: list[list[int] | None] = [None] * len(prompts)
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="dflash-openai")
