@@ -1456,8 +1456,20 @@ def run_regenerate(args: argparse.Namespace) -> int:
     engine = build_engine(args, target, tokenizer, probe)
     if engine_name == "ctranslate2":  # the converted copy answers; keep only what regenerate reads of the target
         target = TargetInfo(target.config, target.generation_config, name)
+    started = time.perf_counter()
+    tokens_this_run = [0]
+
+    def log_shard(s: int, path: Path, info: dict) -> None:
+        """One line per finished shard (the progress a log file can show)."""
+        done = sum(1 for p in Path(args.out).iterdir() if SHARD_RE.match(p.name))
+        tokens_this_run[0] += info["response_tokens"]
+        rate = tokens_this_run[0] / max(time.perf_counter() - started, 1e-9)
+        print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {path.name}: {info['examples']} examples, "
+              f"{info['response_tokens']} response tokens; {done} shard(s) on disk; {rate:.1f} tok/s this run",
+              flush=True)
+
     manifest = regenerate(
-        target, tokenizer, prompts, args.out,
+        target, tokenizer, prompts, args.out, on_shard=log_shard,
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size or 16, do_sample=args.do_sample,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, shard_size=args.shard_size,
         max_length=args.max_length, system_prompt=args.system_prompt, chat_template=chat_template,
