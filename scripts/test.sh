@@ -23,7 +23,7 @@ for version in $TRANSFORMERS_VERSIONS; do
   else
     "$venv/bin/pip" install -q --no-deps -e . >/dev/null
     "$venv/bin/python" -c "import pyarrow, ctranslate2, datasets" 2>/dev/null \
-      || "$venv/bin/pip" install -q pyarrow ctranslate2 datasets
+      || "$venv/bin/pip" install -q pyarrow ctranslate2 datasets "transformers==$version"  # pinned: keeps its hub
   fi
   echo "=== transformers $version ==="
   HF_HUB_OFFLINE=1 "$venv/bin/python" -m pytest -q "$@"
