@@ -3,6 +3,7 @@ OpenAI-compatible server, all offline with tiny random models (the server runs i
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import socket
 import threading
@@ -402,3 +403,31 @@ def test_openai_engine_arguments(tokenizer):
         engines.OpenAIEngine("127.0.0.1:8000", tokenizer, [3])
     with pytest.raises(ValueError, match="prompt_format"):
         engines.OpenAIEngine("http://127.0.0.1:8000", tokenizer, [3], prompt_format="chat")
+
+
+def test_cli_regenerate_with_each_engine(peaked_target, tokenizer, tmp_path):
+    import argparse
+
+    model_dir = tmp_path / "tiny-target"
+    peaked_target.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    prompt_file = tmp_path / "p.jsonl"
+    prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:5]))
+    parser = data.add_regenerate_arguments(argparse.ArgumentParser())
+    common = ["--target", str(model_dir), "--prompts", str(prompt_file), "--max-new-tokens", str(MAX_NEW),
+              "--no-progress", "--device", "cpu", "--dtype", "float32", "--shard-size", "2"]
+    data.run_regenerate(parser.parse_args(common + ["--out", str(tmp_path / "hf")]))
+    expected = _load_all(tmp_path / "hf")
+    with TinyServer(peaked_target, tokenizer) as server:  # the client loads only the target's config here
+        data.run_regenerate(parser.parse_args(common + ["--out", str(tmp_path / "openai"), "--engine", "openai",
+                                                        "--server-url", server.url]))
+    names = ["openai"]
+    if importlib.util.find_spec("ctranslate2") is not None:
+        data.run_regenerate(parser.parse_args(common + ["--out", str(tmp_path / "ctranslate2"), "--engine",
+                                                        "ctranslate2", "--ct2-cache-dir", str(tmp_path / "ct2")]))
+        names.append("ctranslate2")
+    for name in names:
+        manifest = data.read_manifest(tmp_path / name)
+        assert manifest["complete"] and manifest["settings"]["engine"]["name"] == name
+        for a, b in zip(expected, _load_all(tmp_path / name)):
+            assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
