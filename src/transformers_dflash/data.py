@@ -701,7 +701,8 @@ def _list_column(table: Any, name: str, dtype: torch.dtype, path: Path) -> list[
     values = column.values.to_numpy(zero_copy_only=False)
     flat = torch.from_numpy(np.array(values)).to(dtype)  # a writable copy
     sizes = (offsets[1:] - offsets[:-1]).tolist()
-    return list(torch.split(flat[offsets[0]:offsets[-1]], sizes)) if sizes else []
+    # clones, not views: a saved example must not carry the whole shard's storage with it
+    return [t.clone() for t in torch.split(flat[offsets[0]:offsets[-1]], sizes)] if sizes else []
 
 
 def _parquet_records(data: bytes, path: Path) -> list[dict]:
