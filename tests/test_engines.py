@@ -431,3 +431,11 @@ def test_cli_regenerate_with_each_engine(peaked_target, tokenizer, tmp_path):
         assert manifest["complete"] and manifest["settings"]["engine"]["name"] == name
         for a, b in zip(expected, _load_all(tmp_path / name)):
             assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+
+
+def test_openai_text_prompt_that_does_not_round_trip_is_refused(tokenizer, monkeypatch):
+    engine, _ = openai_engine("http://127.0.0.1:9", tokenizer, prompt_format="text", model="tiny")
+    engine.checked = True  # no server needed: the prompt is refused before any request
+    monkeypatch.setattr(tokenizer, "decode", lambda ids, **kwargs: "hello world")
+    with pytest.raises(engines.EngineError, match="cannot be sent as text exactly.*--server-prompt-format ids"):
+        engine.generate([chat_ids(tokenizer, "what is the cat")], MAX_NEW)

@@ -656,6 +656,11 @@ class OpenAIEngine:
             prompt: list[int] | str = prompt_ids
         else:
             prompt = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+            if list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"]) != prompt_ids:
+                raise EngineError(f"The prompt {prompt[:60]!r}... does not come back as the same tokens after decoding "
+                                  "and re-encoding with the target's tokenizer, so it cannot be sent as text exactly. "
+                                  "Use --server-prompt-format ids (a server that takes token ids: vLLM, SGLang, "
+                                  "llama.cpp).")
         answer = self._request("POST", "/v1/completions", self._completion_body(prompt, max_new_tokens))
         count = (answer.get("usage") or {}).get("prompt_tokens")
         if isinstance(count, int) and count != len(prompt_ids):
