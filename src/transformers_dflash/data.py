@@ -9,9 +9,12 @@ itself (loss on response tokens only). This module provides:
   plus prompts composed from the templates shipped in ``transformers_dflash/prompts/*.json``
   (:func:`compose_prompts`). :func:`build_training_prompts` deduplicates them, removes anything that overlaps the
   evaluation sets and holds out a validation split.
-* :func:`regenerate`: batched, left-padded ``generate()`` with the target, writing resumable shards
-  ``out_dir/shard-XXXXX.pt`` (a list of ``{"input_ids": LongTensor[L], "loss_mask": BoolTensor[L]}``; the mask is True
-  on response tokens only) plus ``out_dir/manifest.json``.
+* :func:`regenerate`: the target answers the prompts through an engine (:mod:`transformers_dflash.engines`:
+  ``generate()`` on length-bucketed batches, CTranslate2, or an OpenAI-compatible server), writing resumable shards
+  ``out_dir/shard-XXXXX.parquet`` (columns ``input_ids`` list<int32>, ``loss_mask`` list<bool>, ``prompt_index``;
+  the mask is True on response tokens only) or the original ``shard-XXXXX.pt`` (a list of
+  ``{"input_ids": LongTensor[L], "loss_mask": BoolTensor[L]}``), plus ``out_dir/manifest.json``. :func:`load_shard`
+  reads both formats.
 * :func:`add_regenerate_arguments` / :func:`run_regenerate` for ``dflash regenerate``.
 """
 
@@ -50,7 +53,11 @@ __all__ = [
     "ResumeMismatchError",
     "ShardCorruptedError",
     "PromptSplits",
+    "TargetInfo",
+    "add_engine_arguments",
     "add_regenerate_arguments",
+    "build_engine",
+    "default_engine",
     "build_training_prompts",
     "compose_prompts",
     "compute_eval_fingerprints",
@@ -72,6 +79,7 @@ __all__ = [
     "read_manifest",
     "regenerate",
     "run_regenerate",
+    "shard_to_parquet_bytes",
     "sharegpt_available",
 ]
 
@@ -95,8 +103,12 @@ DEFAULT_VAL_FRACTION = 0.01
 SHAREGPT_MIN_CHARS = 8
 SHAREGPT_MAX_CHARS = 3000
 
-SHARD_NAME = "shard-{:05d}.pt"
-SHARD_RE = re.compile(r"^shard-(\d{5,})\.pt$")
+SHARD_FORMATS = ("parquet", "pt")
+DEFAULT_SHARD_FORMAT = "parquet"
+SHARD_NAME = "shard-{:05d}.pt"  # the original format (torch.save); still read everywhere
+PARQUET_SHARD_NAME = "shard-{:05d}.parquet"
+SHARD_RE = re.compile(r"^shard-(\d{5,})\.(pt|parquet)$")
+PARQUET_INSTALL = "pip install pyarrow"
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "dflash-regenerated"
 FORMAT_VERSION = 1
@@ -651,10 +663,71 @@ def _check_records(records: Any, path: Path) -> list[dict]:
     return records
 
 
-def load_shard(path: str | os.PathLike, expected_sha256: str | None = None) -> list[dict]:
-    """Load one shard written by :func:`regenerate` and check it.
+def _import_pyarrow() -> Any:
+    try:
+        import pyarrow
+        import pyarrow.parquet  # noqa: F401
+    except ImportError:
+        raise DataError(f"Parquet shards need pyarrow, which is not installed. Install it with:\n    {PARQUET_INSTALL}\n"
+                        "(or `pip install transformers-dflash[train]`), or write the original format with "
+                        "--format pt.") from None
+    return pyarrow
 
-    Raises :class:`ShardCorruptedError` naming the file (and telling to delete it) if it is truncated, unreadable,
+
+def shard_to_parquet_bytes(records: Sequence[dict], prompt_indices: Sequence[int] | None = None) -> bytes:
+    """A shard as Parquet bytes: columns ``input_ids`` (list<int32>), ``loss_mask`` (list<bool>) and, when given,
+    ``prompt_index`` (int64, the example's index in the regenerated prompt list). Readable by
+    ``datasets.load_dataset("parquet", data_files=...)``."""
+    pa = _import_pyarrow()
+    columns = {
+        "input_ids": pa.array([r["input_ids"].tolist() for r in records], type=pa.list_(pa.int32())),
+        "loss_mask": pa.array([r["loss_mask"].tolist() for r in records], type=pa.list_(pa.bool_())),
+    }
+    if prompt_indices is not None:
+        columns["prompt_index"] = pa.array([int(i) for i in prompt_indices], type=pa.int64())
+    buf = io.BytesIO()
+    pa.parquet.write_table(pa.table(columns), buf, compression="zstd")
+    return buf.getvalue()
+
+
+def _list_column(table: Any, name: str, dtype: torch.dtype, path: Path) -> list[torch.Tensor]:
+    """A list<...> column of a Parquet table as one tensor per row (no per-element Python conversion)."""
+    import numpy as np
+
+    column = table.column(name).combine_chunks()
+    if column.null_count:
+        raise ShardCorruptedError(f"Shard {path}: column '{name}' has missing rows. {_delete_hint(path)}")
+    offsets = column.offsets.to_numpy()
+    values = column.values.to_numpy(zero_copy_only=False)
+    flat = torch.from_numpy(np.array(values)).to(dtype)  # a writable copy
+    sizes = (offsets[1:] - offsets[:-1]).tolist()
+    # clones, not views: a saved example must not carry the whole shard's storage with it
+    return [t.clone() for t in torch.split(flat[offsets[0]:offsets[-1]], sizes)] if sizes else []
+
+
+def _parquet_records(data: bytes, path: Path) -> list[dict]:
+    pa = _import_pyarrow()
+    try:
+        table = pa.parquet.read_table(pa.BufferReader(data))
+    except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for damaged files
+        raise ShardCorruptedError(f"Shard {path} is not a readable Parquet file ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else ''}). {_delete_hint(path)}") from e
+    expected = {"input_ids": pa.list_(pa.int32()), "loss_mask": pa.list_(pa.bool_())}
+    for name, kind in expected.items():
+        field_ = table.schema.field(name) if name in table.schema.names else None
+        if field_ is None or not (pa.types.is_list(field_.type) or pa.types.is_large_list(field_.type)):
+            raise ShardCorruptedError(f"Shard {path} lacks the column '{name}' ({kind}); columns: "
+                                      f"{table.schema.names}. {_delete_hint(path)}")
+    ids = _list_column(table, "input_ids", torch.long, path)
+    masks = _list_column(table, "loss_mask", torch.bool, path)
+    return [{"input_ids": i, "loss_mask": m} for i, m in zip(ids, masks)]
+
+
+def load_shard(path: str | os.PathLike, expected_sha256: str | None = None) -> list[dict]:
+    """Load one shard written by :func:`regenerate` (``.parquet`` or the original ``.pt``) and check it.
+
+    Returns a list of ``{"input_ids": LongTensor[L], "loss_mask": BoolTensor[L]}`` whatever the file format. Raises
+    :class:`ShardCorruptedError` naming the file (and telling to delete it) if it is truncated, unreadable,
     malformed, or differs from the checksum recorded in the manifest.
     """
     path = Path(path)
@@ -665,6 +738,8 @@ def load_shard(path: str | os.PathLike, expected_sha256: str | None = None) -> l
     if expected_sha256 is not None and hashlib.sha256(data).hexdigest() != expected_sha256:
         raise ShardCorruptedError(f"Shard {path} does not match the checksum in {MANIFEST_NAME} (partial or modified "
                                   f"file). {_delete_hint(path)}")
+    if path.suffix == ".parquet":
+        return _check_records(_parquet_records(data, path), path)
     try:
         records = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises several types for truncated zip archives / pickles
@@ -685,12 +760,15 @@ def read_manifest(data_dir: str | os.PathLike) -> dict | None:
 
 
 def list_shards(data_dir: str | os.PathLike) -> list[Path]:
-    """Shard files of a regenerated data directory, in shard order."""
+    """Shard files (``shard-XXXXX.parquet`` or ``.pt``) of a regenerated data directory, in shard order."""
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
         raise DataError(f"{data_dir} is not a directory of regenerated data (run `dflash regenerate` first)")
-    found = [(int(m.group(1)), p) for p in data_dir.iterdir() if (m := SHARD_RE.match(p.name))]
-    return [p for _, p in sorted(found)]
+    found = sorted((int(m.group(1)), p) for p in data_dir.iterdir() if (m := SHARD_RE.match(p.name)))
+    for (a, pa_), (b, pb) in zip(found, found[1:]):
+        if a == b:
+            raise DataError(f"{data_dir} holds shard {a} twice ({pa_.name} and {pb.name}). Delete one of them.")
+    return [p for _, p in found]
 
 
 def iter_regenerated_examples(data_dir: str | os.PathLike, verify: bool = True) -> Iterator[dict]:
@@ -756,10 +834,14 @@ def _context_limit(target: Any, tokenizer: Any) -> int | None:
     return min(limits) if limits else None
 
 
+def _chat_messages(prompt: str, system_prompt: str | None) -> list[dict]:
+    return ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
+        [{"role": "user", "content": prompt}]
+
+
 def _chat_token_ids(tokenizer: Any, prompt: str, system_prompt: str | None, chat_template: str | None,
                     chat_template_kwargs: dict | None) -> list[int]:
-    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
-        [{"role": "user", "content": prompt}]
+    messages = _chat_messages(prompt, system_prompt)
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
                                          chat_template=chat_template, **(chat_template_kwargs or {}))
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -785,15 +867,6 @@ def _generation_config(target: Any, max_new_tokens: int, do_sample: bool, temper
     config.eos_token_id = eos_ids or None
     config.return_dict_in_generate = False
     return config
-
-
-def _response_ids(generated: list[int], eos_ids: Sequence[int]) -> list[int]:
-    """Generated tokens up to and including the first EOS (what follows is padding)."""
-    eos = set(eos_ids)
-    for i, t in enumerate(generated):
-        if t in eos:
-            return generated[:i + 1]
-    return generated
 
 
 def _settings_sha(value: Any) -> str:
@@ -849,6 +922,94 @@ class _Progress:
             self.bar.close()
 
 
+def _check_regenerate_arguments(prompts: Sequence[str], max_new_tokens: int, batch_size: int, shard_size: int,
+                                do_sample: bool, temperature: float, shard_format: str) -> None:
+    if isinstance(prompts, str) or not isinstance(prompts, Sequence):
+        raise TypeError("prompts must be a sequence of strings")
+    if not prompts:
+        raise ValueError("no prompts to regenerate")
+    bad = [i for i, p in enumerate(prompts) if not isinstance(p, str)]
+    if bad:
+        raise TypeError(f"prompts must be strings; item {bad[0]} is {type(prompts[bad[0]]).__name__}")
+    for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size), ("shard_size", shard_size)):
+        if int(value) < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if do_sample and not temperature > 0:
+        raise ValueError("do_sample=True needs temperature > 0")
+    if shard_format not in SHARD_FORMATS:
+        raise ValueError(f"shard_format must be one of {SHARD_FORMATS}, got {shard_format!r}")
+    if shard_format == "parquet":
+        _import_pyarrow()
+
+
+def _existing_shard(out_dir: Path, s: int) -> Path | None:
+    """The file of shard `s` in `out_dir`, in whichever format it was written (None if absent)."""
+    found = [p for p in (out_dir / PARQUET_SHARD_NAME.format(s), out_dir / SHARD_NAME.format(s)) if p.exists()]
+    if len(found) > 1:
+        raise DataError(f"{out_dir} holds shard {s} twice ({found[0].name} and {found[1].name}). Delete one of them.")
+    return found[0] if found else None
+
+
+def _engine_matches(recorded: dict | None, current: dict) -> bool:
+    """Whether a manifest's engine settings allow resuming with `current` (manifests from before engines existed
+    were all written by transformers)."""
+    if recorded is None:
+        return current.get("name") == "transformers"
+    return recorded == current
+
+
+def _shard_bytes(records: list[dict], prompt_indices: list[int], shard_format: str) -> bytes:
+    if shard_format == "parquet":
+        return shard_to_parquet_bytes(records, prompt_indices)
+    buf = io.BytesIO()
+    torch.save(records, buf)
+    return buf.getvalue()
+
+
+def _shard_info(path: Path, records: list[dict], data: bytes, skipped_empty: int, skipped_long: int) -> dict:
+    return {
+        "file": path.name, "examples": len(records),
+        "tokens": sum(r["input_ids"].numel() for r in records),
+        "response_tokens": sum(int(r["loss_mask"].sum()) for r in records),
+        "skipped_empty": skipped_empty, "skipped_too_long": skipped_long,
+        "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
+    }
+
+
+def _check_responses(responses: Any, expected: int, max_new_tokens: int, engine: Any) -> list[list[int]]:
+    """The engine's answers, after checking their shape (one non-empty id list per prompt, within the cap)."""
+    from .engines import EngineError
+
+    name = getattr(engine, "name", type(engine).__name__)
+    if not isinstance(responses, list) or len(responses) != expected:
+        raise EngineError(f"engine {name} returned {len(responses) if isinstance(responses, list) else responses!r} "
+                          f"responses for {expected} prompts")
+    for r in responses:
+        if not isinstance(r, list) or not r or len(r) > max_new_tokens or not all(isinstance(t, int) for t in r):
+            raise EngineError(f"engine {name} returned a malformed response (expected 1..{max_new_tokens} token ids): "
+                              f"{str(r)[:80]}")
+    return responses
+
+
+def default_engine(target: Any, tokenizer: Any, *, batch_size: int = 16, do_sample: bool = False,
+                   temperature: float = 1.0, top_p: float | None = None, top_k: int | None = None,
+                   max_new_tokens: int = 256) -> Any:
+    """The transformers engine for `target` with the regeneration settings (greedy unless `do_sample`)."""
+    from .engines import TransformersEngine
+
+    eos_ids = _eos_ids(target, tokenizer)
+    pad_id = _pad_id(tokenizer, eos_ids)
+    config = _generation_config(target, max_new_tokens, do_sample, temperature, top_p, top_k, pad_id, eos_ids)
+    return TransformersEngine(target, eos_ids, pad_id, batch_size=batch_size, generation_config=config)
+
+
+def _pad_id(tokenizer: Any, eos_ids: list[int]) -> int:
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = eos_ids[0] if eos_ids else 0
+    return int(pad_id)
+
+
 def regenerate(
     target: Any,
     tokenizer: Any,
@@ -856,7 +1017,7 @@ def regenerate(
     out_dir: str | os.PathLike,
     *,
     max_new_tokens: int = 256,
-    batch_size: int = 8,
+    batch_size: int = 16,
     do_sample: bool = False,
     temperature: float = 1.0,
     top_p: float | None = None,
@@ -872,33 +1033,30 @@ def regenerate(
     max_shards: int | None = None,
     on_shard: Callable[[int, Path, dict], None] | None = None,
     progress: bool = True,
+    engine: Any = None,
+    shard_format: str = DEFAULT_SHARD_FORMAT,
 ) -> dict:
     """Answer `prompts` with the target itself and store the results as training shards in `out_dir`.
 
-    Each prompt is put through the tokenizer's chat template (one user turn, optional system prompt) and answered with
-    batched ``target.generate()`` (left padding; greedy unless `do_sample`). Prompt ``i`` lands in shard
-    ``i // shard_size``; ``out_dir/shard-XXXXX.pt`` is a list, in prompt order, of
-    ``{"input_ids": LongTensor[L] (prompt + response, no padding), "loss_mask": BoolTensor[L] (True on response
-    tokens)}``. The response runs up to and including the first EOS token (or `max_new_tokens` tokens).
+    Each prompt is put through the tokenizer's chat template (one user turn, optional system prompt) and answered by
+    `engine` (see :mod:`transformers_dflash.engines`; default: ``target.generate()`` on length-bucketed batches of at
+    most `batch_size`, greedy unless `do_sample`). `target` supplies the EOS ids and the context limit (its ``config``
+    and ``generation_config``; a model is needed only for the default engine). Prompt ``i`` lands in shard
+    ``i // shard_size``: ``out_dir/shard-XXXXX.parquet`` (`shard_format` "parquet": columns ``input_ids``
+    list<int32>, ``loss_mask`` list<bool>, ``prompt_index`` int64) or ``.pt`` ("pt": a ``torch.save``d list of
+    ``{"input_ids": LongTensor[L], "loss_mask": BoolTensor[L]}``), in prompt order. ``input_ids`` is prompt + response
+    (no padding), ``loss_mask`` is True on response tokens. The response runs up to and including the first EOS token
+    (or `max_new_tokens` tokens). :func:`load_shard` reads both formats.
 
-    Resumable: shards are written atomically and existing ones are skipped, so rerunning after an interruption
-    continues where it stopped (``out_dir/manifest.json`` must match the prompts and settings). Empty prompts and
-    prompts for which prompt + `max_new_tokens` exceeds the context limit (`max_length`, default the model's) are
-    skipped and counted. `max_shards` stops after that many new shards; `on_shard(index, path, shard_info)` is called
-    after each one. Returns the manifest.
+    Resumable: shards are written atomically and existing ones (of either format) are kept, so rerunning after an
+    interruption continues where it stopped (``out_dir/manifest.json`` must match the prompts, settings and engine
+    settings). Empty prompts and prompts for which prompt + `max_new_tokens` exceeds the context limit (`max_length`,
+    default the model's) are skipped and counted. `max_shards` stops after that many new shards; `on_shard(index,
+    path, shard_info)` is called after each one. Returns the manifest.
     """
-    if isinstance(prompts, str) or not isinstance(prompts, Sequence):
-        raise TypeError("prompts must be a sequence of strings")
-    if not prompts:
-        raise ValueError("no prompts to regenerate")
-    bad = [i for i, p in enumerate(prompts) if not isinstance(p, str)]
-    if bad:
-        raise TypeError(f"prompts must be strings; item {bad[0]} is {type(prompts[bad[0]]).__name__}")
-    for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size), ("shard_size", shard_size)):
-        if int(value) < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-    if do_sample and not temperature > 0:
-        raise ValueError("do_sample=True needs temperature > 0")
+    from .engines import EngineError
+
+    _check_regenerate_arguments(prompts, max_new_tokens, batch_size, shard_size, do_sample, temperature, shard_format)
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise NoChatTemplateError(
             f"The tokenizer of {target_name or _model_name(tokenizer)} has no chat template, so the prompts cannot be "
@@ -906,10 +1064,18 @@ def regenerate(
             "ships the template), or supply one: regenerate(..., chat_template=JINJA) / `dflash regenerate "
             "--chat-template FILE`, or set tokenizer.chat_template before calling."
         )
+    if engine is None:
+        engine = default_engine(target, tokenizer, batch_size=batch_size, do_sample=do_sample,
+                                temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens)
+    elif do_sample and not getattr(engine, "do_sample", False):
+        raise ValueError(f"do_sample=True, but the {engine.name} engine given decodes greedily: sampling is done by the "
+                         "transformers engine (leave engine=None, or pass a TransformersEngine whose generation_config "
+                         "samples)")
 
     empty = [i for i, p in enumerate(prompts) if not p.strip()]
     if len(empty) == len(prompts):
         raise ValueError("all prompts are empty")
+    engine.prepare()  # e.g. a server with another tokenizer is refused here, before anything is written
     if empty:
         logger.warning("%d empty prompt(s) will be skipped (first at index %d)", len(empty), empty[0])
 
@@ -920,9 +1086,6 @@ def regenerate(
 
     limit = max_length if max_length is not None else _context_limit(target, tokenizer)
     eos_ids = _eos_ids(target, tokenizer)
-    pad_id = tokenizer.pad_token_id
-    if pad_id is None:
-        pad_id = eos_ids[0] if eos_ids else 0
     template_text = chat_template if chat_template is not None else tokenizer.chat_template
     settings = {
         "max_new_tokens": int(max_new_tokens),
@@ -938,15 +1101,19 @@ def regenerate(
         "chat_template_kwargs": chat_template_kwargs or {},
         "eos_token_ids": eos_ids,
     }
+    engine_settings = engine.settings()
     num_prompts = len(prompts)
     p_sha = prompts_sha256(prompts)
     num_shards = math.ceil(num_prompts / shard_size)
 
     manifest = read_manifest(out_dir)
     if manifest is not None:
-        diffs = [k for k in settings if manifest.get("settings", {}).get(k) != settings[k]]
+        recorded = manifest.get("settings", {})
+        diffs = [k for k in settings if recorded.get(k) != settings[k]]
         if manifest.get("num_prompts") != num_prompts or manifest.get("prompts_sha256") != p_sha:
             diffs.append("prompts")
+        if not _engine_matches(recorded.get("engine"), engine_settings):
+            diffs.append(f"engine ({recorded.get('engine') or {'name': 'transformers'}} there, {engine_settings} now)")
         if diffs:
             raise ResumeMismatchError(
                 f"{out_dir} already holds regenerated data made with different {', '.join(diffs)}. Use another --out "
@@ -967,14 +1134,23 @@ def regenerate(
             "settings": settings,
             "shards": {},
         }
-    manifest.update(num_shards=num_shards, batch_size=int(batch_size), versions=_versions())
+    manifest["settings"]["engine"] = engine_settings
+    manifest.update(num_shards=num_shards, batch_size=int(engine.runtime().get("batch_size") or batch_size),
+                    shard_format=shard_format,
+                    engine_runtime=engine.runtime(), versions=_versions())
     shards_info: dict = manifest.setdefault("shards", {})
 
     def finalize() -> None:
         totals = {k: sum(s[k] for s in shards_info.values())
                   for k in ("examples", "tokens", "response_tokens", "skipped_empty", "skipped_too_long")}
         manifest.update(shards_done=len(shards_info), complete=len(shards_info) == num_shards, totals=totals,
+                        engine_runtime=engine.runtime(),
                         updated=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+
+    def write_manifest() -> None:
+        finalize()
+        _atomic_write(out_dir / MANIFEST_NAME, json.dumps(manifest, indent=1).encode("utf-8"), "the manifest",
+                      len(shards_info))
 
     def encode_shard(s: int) -> tuple[list[tuple[int, list[int]]], int, int]:
         """(prompt index, chat-formatted token ids) of shard `s`'s usable prompts, and the skipped counts."""
@@ -996,45 +1172,29 @@ def regenerate(
     pending = []
     for s in range(num_shards):
         key = f"{s:05d}"
-        path = out_dir / SHARD_NAME.format(s)
-        if path.exists():
-            if key not in shards_info:
-                records = load_shard(path)
-                encoded, skipped_empty, skipped_long = encode_shard(s)
-                if [r["input_ids"][~r["loss_mask"]].tolist() for r in records] != [ids for _, ids in encoded]:
-                    raise ResumeMismatchError(
-                        f"{path} does not hold the responses to this run's prompts {s * shard_size}.."
-                        f"{min(num_prompts, (s + 1) * shard_size) - 1} (made from other prompts or settings). Delete "
-                        f"it, or use another --out directory."
-                    )
-                data = path.read_bytes()
-                shards_info[key] = {
-                    "file": path.name, "examples": len(records),
-                    "tokens": sum(r["input_ids"].numel() for r in records),
-                    "response_tokens": sum(int(r["loss_mask"].sum()) for r in records),
-                    "skipped_empty": skipped_empty, "skipped_too_long": skipped_long,
-                    "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
-                }
-        else:
+        path = _existing_shard(out_dir, s)
+        if path is None:
             shards_info.pop(key, None)
             pending.append(s)
-    finalize()
-    _atomic_write(out_dir / MANIFEST_NAME, json.dumps(manifest, indent=1).encode("utf-8"), "the manifest",
-                  len(shards_info))
+        elif key not in shards_info or shards_info[key].get("file") != path.name:
+            records = load_shard(path)
+            encoded, skipped_empty, skipped_long = encode_shard(s)
+            if [r["input_ids"][~r["loss_mask"]].tolist() for r in records] != [ids for _, ids in encoded]:
+                raise ResumeMismatchError(
+                    f"{path} does not hold the responses to this run's prompts {s * shard_size}.."
+                    f"{min(num_prompts, (s + 1) * shard_size) - 1} (made from other prompts or settings). Delete "
+                    f"it, or use another --out directory."
+                )
+            shards_info[key] = _shard_info(path, records, path.read_bytes(), skipped_empty, skipped_long)
+    write_manifest()
     if not pending:
         logger.info("%s: all %d shards already done", out_dir, num_shards)
         return manifest
     if len(pending) < num_shards:
         logger.warning("resuming %s: %d of %d shards already done", out_dir, num_shards - len(pending), num_shards)
 
-    device = getattr(target, "device", None) or next(target.parameters()).device
-    gen_config = _generation_config(target, max_new_tokens, do_sample, temperature, top_p, top_k, pad_id, eos_ids)
-
     todo_prompts = sum(min(num_prompts, (s + 1) * shard_size) - s * shard_size for s in pending)
     bar = _Progress(todo_prompts, progress)
-    was_training = getattr(target, "training", False)
-    if hasattr(target, "eval"):
-        target.eval()
     written = 0
     try:
         for s in pending:
@@ -1044,59 +1204,29 @@ def regenerate(
             if skipped_long:
                 logger.warning("shard %d: %d prompt(s) skipped: prompt + max_new_tokens (%d) exceeds the context limit "
                                "(%d tokens)", s, skipped_long, max_new_tokens, limit)
-            # Longest first inside the shard, so batches hold similar lengths; results are put back in prompt order.
-            encoded.sort(key=lambda item: (-len(item[1]), item[0]))
-            if do_sample:
-                torch.manual_seed(seed * 1_000_003 + s)
-            results: dict[int, dict] = {}
-            new_tokens = 0
-            for b in range(0, len(encoded), batch_size):
-                batch = encoded[b:b + batch_size]
-                width = max(len(ids) for _, ids in batch)
-                input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-                attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
-                for row, (_, ids) in enumerate(batch):
-                    input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
-                    attention_mask[row, width - len(ids):] = 1
-                with torch.inference_mode():
-                    out = target.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                          generation_config=gen_config)
-                sequences = getattr(out, "sequences", out)
-                generated = sequences[:, width:].tolist()
-                batch_tokens = 0
-                for row, (i, ids) in enumerate(batch):
-                    resp = _response_ids(generated[row], eos_ids)
-                    batch_tokens += len(resp)
-                    results[i] = {
-                        "input_ids": torch.tensor(ids + resp, dtype=torch.long),
-                        "loss_mask": torch.tensor([False] * len(ids) + [True] * len(resp), dtype=torch.bool),
-                    }
-                new_tokens += batch_tokens
-                bar.update(len(batch), batch_tokens, s)
+            try:
+                responses = engine.generate([ids for _, ids in encoded], max_new_tokens,
+                                            seed=seed * 1_000_003 + s,
+                                            on_batch=lambda n, tokens: bar.update(n, tokens, s)) if encoded else []
+            except EngineError as e:
+                raise type(e)(f"{e}\nShard {s} was not written; the {len(shards_info)} shard(s) finished in {out_dir} "
+                              "are kept, and rerunning the same command resumes from there.") from e
+            responses = _check_responses(responses, len(encoded), max_new_tokens, engine)
             bar.update(skipped_empty + skipped_long, 0, s)
-            records = [results[i] for i in sorted(results)]
-            buf = io.BytesIO()
-            torch.save(records, buf)
-            data = buf.getvalue()
-            path = out_dir / SHARD_NAME.format(s)
+            records = [{"input_ids": torch.tensor(ids + resp, dtype=torch.long),
+                        "loss_mask": torch.tensor([False] * len(ids) + [True] * len(resp), dtype=torch.bool)}
+                       for (_, ids), resp in zip(encoded, responses)]
+            data = _shard_bytes(records, [i for i, _ in encoded], shard_format)
+            path = out_dir / (PARQUET_SHARD_NAME if shard_format == "parquet" else SHARD_NAME).format(s)
             _atomic_write(path, data, "shard", len(shards_info))
-            info = {
-                "file": path.name, "examples": len(records),
-                "tokens": sum(r["input_ids"].numel() for r in records), "response_tokens": new_tokens,
-                "skipped_empty": skipped_empty, "skipped_too_long": skipped_long,
-                "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
-            }
+            info = _shard_info(path, records, data, skipped_empty, skipped_long)
             shards_info[f"{s:05d}"] = info
-            finalize()
-            _atomic_write(out_dir / MANIFEST_NAME, json.dumps(manifest, indent=1).encode("utf-8"), "the manifest",
-                          len(shards_info))
+            write_manifest()
             written += 1
             if on_shard is not None:
                 on_shard(s, path, info)
     finally:
         bar.close()
-        if was_training and hasattr(target, "train"):
-            target.train()
 
     totals = manifest["totals"]
     elapsed = time.perf_counter() - bar.start
@@ -1123,14 +1253,17 @@ def add_regenerate_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
     parser.add_argument("--prompts", default="train",
                         help="'train', 'validation', 'mtbench', 'humaneval', or a JSONL file with a 'prompt', "
                              "'instruction' or 'turns' field per line")
-    parser.add_argument("--out", required=True, help="output directory for shard-XXXXX.pt files and manifest.json")
+    parser.add_argument("--out", required=True,
+                        help="output directory for the shard-XXXXX.parquet (or .pt) files and manifest.json")
     parser.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     parser.add_argument("--num-composed", type=int, default=DEFAULT_NUM_COMPOSED,
                         help="composed prompts in the train/validation pool")
     parser.add_argument("--no-sharegpt", action="store_true",
                         help="leave ShareGPT prompts out of the train/validation pool")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="response length cap in tokens")
-    parser.add_argument("--batch-size", type=int, default=8, help="prompts per generate() call")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="most prompts per batch (default: 16 for transformers, 32 for ctranslate2); batches hold "
+                             "prompts of similar length")
     parser.add_argument("--shard-size", type=int, default=256, help="prompts per shard file")
     parser.add_argument("--do-sample", action="store_true", help="sample responses instead of greedy decoding")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (with --do-sample)")
@@ -1151,6 +1284,39 @@ def add_regenerate_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
                         help="CPU threads for torch (on a busy CPU machine 1 can be several times faster than 2)")
     parser.add_argument("--max-shards", type=int, default=None, help="stop after writing this many new shards")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--format", dest="shard_format", default=DEFAULT_SHARD_FORMAT, choices=SHARD_FORMATS,
+                        help="shard file format: parquet (datasets.load_dataset('parquet', ...) reads it) or pt "
+                             "(the original torch.save lists)")
+    add_engine_arguments(parser)
+    return parser
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The ``--engine`` options of ``dflash regenerate`` (see :mod:`transformers_dflash.engines`)."""
+    from .engines import CT2_COMPUTE_TYPES, ENGINE_NAMES
+
+    group = parser.add_argument_group("generation engine")
+    group.add_argument("--engine", default="transformers", choices=ENGINE_NAMES,
+                       help="who writes the answers: transformers (generate() on length-bucketed batches), "
+                            "ctranslate2 (the target converted once and cached; CPU, fast), or openai (an "
+                            "OpenAI-compatible server: vLLM, SGLang, llama.cpp server, TGI; see --server-url)")
+    group.add_argument("--compute-type", default="float32", choices=CT2_COMPUTE_TYPES,
+                       help="ctranslate2 compute type (on SmolLM2-135M int8 measured no faster than float32 and "
+                            "far less often equal to the target's greedy answer: scripts/bench_engines.py)")
+    group.add_argument("--ct2-cache-dir", default=None,
+                       help="where converted CTranslate2 models are cached (default: $DFLASH_CACHE/ctranslate2 or "
+                            "~/.cache/transformers_dflash/ctranslate2)")
+    group.add_argument("--server-url", default=None, help="openai engine: base URL, e.g. http://127.0.0.1:8000")
+    group.add_argument("--server-model", default=None,
+                       help="openai engine: model name on the server (default: the only one it serves)")
+    group.add_argument("--server-prompt-format", default="ids", choices=["ids", "text"],
+                       help="openai engine: send prompts as token ids (exact) or chat-formatted text (TGI)")
+    group.add_argument("--concurrency", type=int, default=8, help="openai engine: requests in flight")
+    group.add_argument("--max-retries", type=int, default=5,
+                       help="openai engine: retries per request (exponential back-off)")
+    group.add_argument("--retry-backoff", type=float, default=1.0,
+                       help="openai engine: first back-off in seconds (doubles per retry, at most 30 s)")
+    group.add_argument("--request-timeout", type=float, default=600.0, help="openai engine: seconds per request")
     return parser
 
 
@@ -1187,8 +1353,82 @@ def _load_target(spec: str, tokenizer_path: str | None, device: str, dtype: torc
     return model, tokenizer, name
 
 
+@dataclass
+class TargetInfo:
+    """What :func:`regenerate` needs of a target whose answers come from another engine: its config (context limit)
+    and generation config (EOS ids), without the weights in memory."""
+
+    config: Any
+    generation_config: Any
+    name_or_path: str
+
+
+def _target_info(spec: str) -> TargetInfo | None:
+    """Config and generation config of a target directory (or 'smollm2'), or None if it is not a directory."""
+    from transformers import AutoConfig, GenerationConfig
+
+    if spec == "smollm2":
+        from .smollm2 import smollm2_path
+
+        path = smollm2_path()
+    else:
+        path = Path(spec)
+        if not path.is_dir():
+            return None
+    config = AutoConfig.from_pretrained(str(path))
+    try:
+        generation_config = GenerationConfig.from_pretrained(str(path))
+    except OSError:
+        generation_config = GenerationConfig.from_model_config(config)
+    return TargetInfo(config, generation_config, "smollm2" if spec == "smollm2" else str(path))
+
+
+def _load_tokenizer(spec: str, tokenizer_path: str | None) -> Any:
+    from transformers import AutoTokenizer
+
+    if tokenizer_path:
+        return AutoTokenizer.from_pretrained(tokenizer_path)
+    if spec == "smollm2":
+        from .smollm2 import smollm2_path
+
+        return AutoTokenizer.from_pretrained(str(smollm2_path()))
+    return AutoTokenizer.from_pretrained(spec)
+
+
+def build_engine(args: argparse.Namespace, target: Any, tokenizer: Any, chat_probe_ids: list[int] | None) -> Any:
+    """The engine ``--engine`` asks for (see :func:`add_engine_arguments`)."""
+    from .engines import PROBE_PROMPT, CTranslate2Engine, OpenAIEngine
+
+    if args.engine != "transformers" and args.do_sample:
+        raise DataError(f"--do-sample works with --engine transformers only; the {args.engine} engine decodes "
+                        "greedily (drop --do-sample, or use --engine transformers)")
+    eos_ids = _eos_ids(target, tokenizer)
+    if args.engine == "transformers":
+        return default_engine(target, tokenizer, batch_size=args.batch_size or 16, do_sample=args.do_sample,
+                              temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                              max_new_tokens=args.max_new_tokens)
+    if args.engine == "ctranslate2":
+        device = "cuda" if str(getattr(target, "device", "cpu")).startswith("cuda") else "cpu"
+        return CTranslate2Engine.from_transformers(target, tokenizer, eos_ids, cache_dir=args.ct2_cache_dir,
+                                                   compute_type=args.compute_type, batch_size=args.batch_size or 32,
+                                                   threads=args.threads, device=device)
+    if not args.server_url:
+        raise DataError("--engine openai needs --server-url (the server's base URL, e.g. http://127.0.0.1:8000)")
+    return OpenAIEngine(args.server_url, tokenizer, eos_ids, model=args.server_model, concurrency=args.concurrency,
+                        max_retries=args.max_retries, backoff=args.retry_backoff, timeout=args.request_timeout,
+                        prompt_format=args.server_prompt_format, chat_probe_ids=chat_probe_ids,
+                        # a --chat-template of the user's own is not the server's: compare chat formatting only
+                        # when both use the target's template
+                        chat_probe_messages=None if args.chat_template else _chat_messages(PROBE_PROMPT,
+                                                                                            args.system_prompt),
+                        chat_template_kwargs=json.loads(args.chat_template_kwargs) if args.chat_template_kwargs
+                        else None)
+
+
 def run_regenerate(args: argparse.Namespace) -> int:
     """Run ``dflash regenerate`` from parsed arguments; returns an exit code."""
+    from .engines import PROBE_PROMPT
+
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     if args.device == "auto":
@@ -1207,14 +1447,37 @@ def run_regenerate(args: argparse.Namespace) -> int:
     source, prompts = load_prompts(args.prompts, seed=args.seed, num_composed=args.num_composed,
                                    use_sharegpt=False if args.no_sharegpt else None, limit=args.limit)
     print(f"{len(prompts)} prompts from {source}", flush=True)
-    model, tokenizer, name = _load_target(args.target, args.tokenizer, device, dtype)
+    engine_name = getattr(args, "engine", "transformers")
+    info = _target_info(args.target) if engine_name == "openai" else None
+    if info is not None:  # a served target: its config is enough here
+        target, tokenizer, name = info, _load_tokenizer(args.target, args.tokenizer), info.name_or_path
+    else:
+        target, tokenizer, name = _load_target(args.target, args.tokenizer, device, dtype)
+    probe = _chat_token_ids(tokenizer, PROBE_PROMPT, args.system_prompt, chat_template, template_kwargs) \
+        if (chat_template or getattr(tokenizer, "chat_template", None)) else None
+    engine = build_engine(args, target, tokenizer, probe)
+    if engine_name == "ctranslate2":  # the converted copy answers; keep only what regenerate reads of the target
+        target = TargetInfo(target.config, target.generation_config, name)
+    started = time.perf_counter()
+    tokens_this_run = [0]
+
+    def log_shard(s: int, path: Path, info: dict) -> None:
+        """One line per finished shard (the progress a log file can show)."""
+        done = sum(1 for p in Path(args.out).iterdir() if SHARD_RE.match(p.name))
+        tokens_this_run[0] += info["response_tokens"]
+        rate = tokens_this_run[0] / max(time.perf_counter() - started, 1e-9)
+        print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {path.name}: {info['examples']} examples, "
+              f"{info['response_tokens']} response tokens; {done} shard(s) on disk; {rate:.1f} tok/s this run",
+              flush=True)
+
     manifest = regenerate(
-        model, tokenizer, prompts, args.out,
-        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, do_sample=args.do_sample,
+        target, tokenizer, prompts, args.out, on_shard=log_shard,
+        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size or 16, do_sample=args.do_sample,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, shard_size=args.shard_size,
         max_length=args.max_length, system_prompt=args.system_prompt, chat_template=chat_template,
         chat_template_kwargs=template_kwargs, seed=args.seed, target_name=name, prompt_source=source,
-        max_shards=args.max_shards, progress=not args.no_progress,
+        max_shards=args.max_shards, progress=not args.no_progress, engine=engine,
+        shard_format=getattr(args, "shard_format", DEFAULT_SHARD_FORMAT),
     )
     t = manifest["totals"]
     print(f"{args.out}: {manifest['shards_done']}/{manifest['num_shards']} shards, {t['examples']} examples, "
