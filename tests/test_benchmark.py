@@ -374,6 +374,7 @@ def test_method_registry():
                                          "prompt_lookup_skinny"]
     assert skipped["assistant"] == "no --assistant-model given"
     assert all(skipped[name] == "no drafter given"
-               for name in ("dflash", "dflash_adaptive", "builtin_dflash", "dflash_lookup", "dflash_stock_linears"))
+               for name in ("dflash", "dflash_adaptive", "builtin_dflash", "dflash_defaults", "dflash_lookup",
+                            "dflash_stock_linears"))
     with pytest.raises(ValueError, match="unknown method"):
         bench.build_methods(target, None, ["fastest"])

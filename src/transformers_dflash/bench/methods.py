@@ -20,9 +20,9 @@ DEFAULT_METHODS = ("baseline", "dflash", "dflash_adaptive", "builtin_dflash", "p
 # The *_skinny / dflash_stock_linears methods attribute speed to kernels: every method with the same CPU kernels
 # (`kernels.cpu_kernels`: skinny linears and packed grouped-query attention).
 OPTIONAL_METHODS = (
-    "dflash_lookup", "early_exit", "assistant", "baseline_skinny", "prompt_lookup_skinny", "dflash_stock_linears"
+    "dflash_defaults", "dflash_lookup", "early_exit", "assistant", "baseline_skinny", "prompt_lookup_skinny", "dflash_stock_linears"
 )
-BATCH_METHODS = ("baseline", "dflash", "dflash_adaptive", "dflash_lookup", "baseline_skinny", "dflash_stock_linears")
+BATCH_METHODS = ("baseline", "dflash", "dflash_defaults", "dflash_adaptive", "dflash_lookup", "baseline_skinny", "dflash_stock_linears")
 PLAIN_METHODS = ("baseline", "baseline_skinny")  # no drafter: tau is 1 by definition
 
 Generate = Callable[[Any, dict], tuple[Any, "list[int] | None"]]
@@ -106,7 +106,7 @@ def _assisted(target, extra: dict) -> Generate:
     return generate
 
 
-def _dflash(context: MethodContext, setting, fast_linears: bool = True, lookup: int = 0) -> Generate:
+def _dflash(context: MethodContext, setting, fast_linears: bool = True, lookup: int | None = 0) -> Generate:
     """Our DFlash path with the drafter's draft length, kernels and copied drafts set for the call."""
     target, drafter = context.target, context.drafter
 
@@ -214,6 +214,11 @@ REGISTRY: dict[str, MethodSpec] = {
         ),
         MethodSpec("builtin_dflash", "DFlash (transformers built-in)", _builtin_dflash, _needs_builtin_path),
         MethodSpec("prompt_lookup", "prompt lookup", _prompt_lookup),
+        MethodSpec(
+            "dflash_defaults", "DFlash at the drafter's defaults (transformers-dflash)",
+            lambda c: (_dflash(c, None, lookup=None), f"{c.block}, nothing set: the device's defaults"),
+            _needs_drafter("ngram_lookup", "this drafter's code has no device defaults"),
+        ),
         MethodSpec(
             "dflash_lookup", "DFlash + n-gram lookup, adaptive draft length (transformers-dflash)", _dflash_lookup,
             _needs_drafter("ngram_lookup", "this drafter's code has no ngram_lookup"),
