@@ -32,7 +32,6 @@ import contextlib
 import functools
 import json
 import math
-import os
 import platform
 import statistics
 import sys
@@ -282,7 +281,7 @@ def generate_timings(target, drafter, context, new_tokens, tau, runs, device, to
                                 ("dflash", dflash, t_dflash)):
             sync(device)
             start = time.perf_counter()
-            out = fn()
+            fn()
             sync(device)
             store.append(time.perf_counter() - start)
             if name == "dflash":
@@ -395,11 +394,12 @@ def main(argv=None):
           "DFlash step (ms) | tau (emulated) | r = step/plain | speedup (decode) | speedup (e2e) | greedy = plain |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in results:
+        equal = "yes" if r["outputs_equal"] else f"from token {r['first_difference']} on, no"
         print(f"| {r['attn']} | {r['context']} | {r['verify_1_ms']:.2f} | {r['verify_block_ms']:.2f} | "
               f"{r['draft_tau_ms']:.2f} | {r['plain_ms_per_token']:.2f} | {r['dflash_step_ms']:.2f} | "
               f"{r['tau_emulated']:.2f} | {r['r']:.2f} | {r['speedup_decode_only']:.2f}x | "
               f"{r['speedup_end_to_end']:.2f}x | "
-              f"{'yes' if r['outputs_equal'] else 'from token %d on, no' % r['first_difference']} |")
+              f"{equal} |")
     print()
     print("Kernel-level bound: r_min = (verify block + drafter fwd) / verify 1 tok, i.e. without any overhead:")
     for r in results:

@@ -253,7 +253,7 @@ def test_failed_conversion_leaves_no_cache(tmp_path):
     bad.parent.mkdir()
     bad.write_bytes(b"GGUF" + b"\0" * 64)
     cache = tmp_path / "cache"
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017  (the GGUF reader's error type differs between gguf releases)
         smollm2.load_smollm2(cache_dir=cache, gguf_path=bad)
     assert not cache.exists() or list(cache.iterdir()) == []
 
