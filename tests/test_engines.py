@@ -1,4 +1,4 @@
-"""Generation engines of `dflash regenerate` (transformers_dflash.engines): bucketing, CTranslate2 and an
+"""Generation engines of `dflash regenerate` (transformers_dflash.data.engines): bucketing, CTranslate2 and an
 OpenAI-compatible server, all offline with tiny random models (the server runs in this process on 127.0.0.1)."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from test_data import CHAT_TEMPLATE, PROMPTS, SPECIALS, WORDS, _load_all, target
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from transformers_dflash import data, engines
+from transformers_dflash import data
+from transformers_dflash.data import engines, regeneration
 
 MAX_NEW = 6
 
@@ -29,7 +30,7 @@ def _one_thread():
 
 
 def chat_ids(tok, prompt):
-    return data._chat_token_ids(tok, prompt, None, None, None)
+    return regeneration._chat_token_ids(tok, prompt, None, None, None)
 
 
 def greedy_alone(model, tok, prompt_ids, max_new_tokens=MAX_NEW):

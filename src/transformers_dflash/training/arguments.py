@@ -1,0 +1,89 @@
+"""The command lines of `dflash train` and `dflash features`."""
+
+import argparse
+from dataclasses import fields
+
+import torch
+
+from ..target_model import text_config
+from .features import cache_context_features
+from .loop import TrainingConfig, load_target, train
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options of `dflash train`; their names are the fields of `TrainingConfig`."""
+    d = TrainingConfig()
+    parser.add_argument("--target", default=d.target, help='target model path or hub id, or "smollm2"')
+    parser.add_argument("--data", required=True,
+                        help="directory of shard-XXXXX.parquet or .pt files (format: see transformers_dflash.training)")
+    parser.add_argument("--output", required=True, help="checkpoints, final drafter, log.jsonl; resumes from here")
+    parser.add_argument("--val-data", default=None, help="shards of validation prompts (default: held-out training)")
+    parser.add_argument("--num-layers", type=int, default=d.num_layers, help="drafter layers")
+    parser.add_argument("--block-size", type=int, default=d.block_size)
+    parser.add_argument("--mask-token-id", type=int, default=None, help="default: last row of the target's embeddings")
+    parser.add_argument("--target-layer-ids", type=int, nargs="+", default=None, help="default: DFlash's spread")
+    parser.add_argument("--num-target-features", type=int, default=d.num_target_features)
+    parser.add_argument("--draft-vocab-size", type=int, default=None,
+                        help="draft only from the N most frequent response tokens of the data (default: all tokens)")
+    parser.add_argument("--num-anchors", type=int, default=d.num_anchors, help="blocks per sequence")
+    parser.add_argument("--gamma", type=float, default=None, help="loss decay (default: 7 for block 16, 5 for 10)")
+    parser.add_argument("--max-length", type=int, default=d.max_length, help="truncate sequences to this many tokens")
+    parser.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per process and micro-batch")
+    parser.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per optimizer step")
+    parser.add_argument("--epochs", type=float, default=d.epochs)
+    parser.add_argument("--max-steps", type=int, default=None, help="optimizer steps (overrides --epochs)")
+    parser.add_argument("--lr", type=float, default=d.lr)
+    parser.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    parser.add_argument("--warmup-ratio", type=float, default=d.warmup_ratio)
+    parser.add_argument("--grad-clip", type=float, default=d.grad_clip)
+    parser.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default=d.mixed_precision)
+    parser.add_argument("--target-dtype", choices=["auto", "bfloat16", "float16", "float32"], default=d.target_dtype)
+    parser.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N optimizer steps")
+    parser.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
+    parser.add_argument("--eval-every", type=int, default=d.eval_every, help="validate every N optimizer steps")
+    parser.add_argument("--num-val-prompts", type=int, default=d.num_val_prompts)
+    parser.add_argument("--val-max-new-tokens", type=int, default=d.val_max_new_tokens)
+    parser.add_argument("--log-every", type=int, default=d.log_every)
+    parser.add_argument("--seed", type=int, default=d.seed)
+    return parser
+
+
+def run_train(args: argparse.Namespace) -> dict:
+    """`dflash train`: build a `TrainingConfig` from parsed `add_train_arguments` options and train."""
+    config = TrainingConfig(**{f.name: getattr(args, f.name) for f in fields(TrainingConfig) if hasattr(args, f.name)})
+    return train(config)
+
+
+def add_features_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options of `dflash features`."""
+    parser.add_argument("--target", default="smollm2", help='target model path or hub id, or "smollm2"')
+    parser.add_argument("--data", required=True, help="directory of regenerated shard-XXXXX.parquet or .pt files")
+    parser.add_argument("--out", required=True, help="where the shards with features go (resumes there)")
+    parser.add_argument("--target-layer-ids", type=int, nargs="+", default=None,
+                        help="default: DFlash's spread of --num-target-features layers, as `dflash train` picks them")
+    parser.add_argument("--num-target-features", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per target forward")
+    parser.add_argument("--max-length", type=int, default=2048, help="truncate sequences to this many tokens")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+                        help="storage dtype of the features")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    return parser
+
+
+def run_features(args: argparse.Namespace) -> int:
+    """`dflash features`: cache the target's context features next to the tokens, for offline `dflash train`."""
+    from ..configuration_dflash import default_target_layer_ids
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    target = load_target(args.target, torch.bfloat16 if device.type == "cuda" else torch.float32).to(device).eval()
+    layer_ids = args.target_layer_ids
+    if layer_ids is None:
+        lm_config = text_config(target.config)
+        layer_ids = default_target_layer_ids(lm_config.num_hidden_layers, args.num_target_features)
+    out = cache_context_features(
+        target, args.data, args.out, layer_ids, args.batch_size, args.max_length, getattr(torch, args.dtype)
+    )
+    print(f"features of layers {layer_ids} in {out}; train on them with `dflash train --data {out} ...`")
+    return 0

@@ -1,0 +1,101 @@
+"""Context features: the target's hidden states the drafter reads, and `dflash features`, which caches them in
+the shards (offline training)."""
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..data import list_shards, load_shard
+from .batches import collate
+
+FEATURES_INFO = "features.json"
+
+
+@torch.no_grad()
+def cache_context_features(
+    target: nn.Module,
+    data_dir: str | Path,
+    out_dir: str | Path,
+    target_layer_ids: list[int],
+    batch_size: int = 8,
+    max_length: int = 2048,
+    dtype: torch.dtype = torch.bfloat16,
+    progress: bool = True,
+) -> Path:
+    """Offline training data: every shard of `data_dir` again, each example with its `context_features`.
+
+    The target reads each (truncated) sequence once; the features are stored in `dtype` (bfloat16 halves the disk
+    and is what a bf16 target would produce anyway). Resumable: shards already in `out_dir` are kept. `features.json`
+    records the layer ids, so that training refuses features of other layers.
+    """
+    from tqdm.auto import tqdm
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    info = {"target_layer_ids": [int(i) for i in target_layer_ids], "max_length": int(max_length),
+            "dtype": str(dtype).replace("torch.", ""), "source": str(Path(data_dir).resolve())}
+    info_path = out_dir / FEATURES_INFO
+    if info_path.exists():
+        previous = json.loads(info_path.read_text())
+        if previous.get("target_layer_ids") != info["target_layer_ids"] or previous.get("max_length") != max_length:
+            raise ValueError(
+                f"{out_dir} holds features of layers {previous.get('target_layer_ids')} (max_length "
+                f"{previous.get('max_length')}); asked for {info['target_layer_ids']} ({max_length}). Use another "
+                "--out directory, or delete this one."
+            )
+    info_path.write_text(json.dumps(info, indent=1))
+    device = next(target.parameters()).device
+    shards = list_shards(data_dir)
+    bar = tqdm(total=len(shards), desc="features", unit="shard", disable=not progress)
+    for shard in shards:
+        destination = out_dir / f"{shard.stem}.pt"  # features are tensors: always the torch format
+        if destination.exists():
+            bar.update(1)
+            continue
+        examples = load_shard(shard)
+        order = sorted(range(len(examples)), key=lambda i: -len(examples[i]["input_ids"]))
+        records: list[dict | None] = [None] * len(examples)
+        for start in range(0, len(order), batch_size):
+            chunk = [examples[i] for i in order[start : start + batch_size]]
+            batch = collate(chunk, max_length)
+            features = target_context_features(
+                target, batch["input_ids"].to(device), target_layer_ids,
+                None if batch["attention_mask"] is None else batch["attention_mask"].to(device),
+            )
+            for row, i in enumerate(order[start : start + batch_size]):
+                length = min(len(examples[i]["input_ids"]), max_length)
+                records[i] = {
+                    "input_ids": examples[i]["input_ids"][:length].clone(),
+                    "loss_mask": examples[i]["loss_mask"][:length].clone(),
+                    "context_features": features[row, :length].to("cpu", dtype).clone(),
+                }
+        tmp = destination.with_name(destination.name + ".tmp")
+        torch.save(records, tmp)
+        tmp.replace(destination)  # atomic: a shard is either whole or absent
+        bar.update(1)
+    bar.close()
+    return out_dir
+
+
+def check_cached_features(data_dir: str | Path, target_layer_ids: list[int]) -> None:
+    """Refuse offline features of other target layers than the drafter's (they would train it on the wrong input)."""
+    info_path = Path(data_dir) / FEATURES_INFO
+    if info_path.exists():
+        cached = json.loads(info_path.read_text()).get("target_layer_ids")
+        if cached != [int(i) for i in target_layer_ids]:
+            raise ValueError(
+                f"{data_dir} holds target features of layers {cached}, but the drafter reads layers "
+                f"{list(target_layer_ids)}. Train with --target-layer-ids {' '.join(map(str, cached))}, or cache "
+                "features for these layers with `dflash features`."
+            )
+
+
+@torch.no_grad()
+def target_context_features(target: nn.Module, input_ids, layer_ids, attention_mask=None) -> torch.Tensor:
+    """The drafter's context: the target's hidden_states[i + 1] for i in `layer_ids`, concatenated `[b, S, K * H]`."""
+    outputs = target.get_decoder()(
+        input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False
+    )
+    return torch.cat([outputs.hidden_states[i + 1] for i in layer_ids], dim=-1)

@@ -1,0 +1,283 @@
+"""The training loop: `TrainingConfig`, loading the target, checkpoints that resume automatically, and `train()`."""
+
+import contextlib
+import json
+import math
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..data import list_shards, load_shard
+from ..modeling_dflash import DFlashDraftModel
+from .batches import draft_vocabulary, training_batches, validation_prompts
+from .features import check_cached_features
+from .loss import dflash_loss
+from .validation import evaluate_acceptance_length
+
+CHECKPOINT_PREFIX = "checkpoint-"
+TRAINING_STATE = "training_state.pt"  # written last: a checkpoint without it is incomplete and ignored
+
+
+@dataclass
+class TrainingConfig:
+    target: str = "smollm2"  # a path / hub id for AutoModelForCausalLM, or "smollm2"
+    data: str = "data"  # directory of shard-XXXXX.parquet / .pt files
+    output: str = "dflash-drafter"  # checkpoints, the final drafter and log.jsonl
+    val_data: str | None = None  # validation prompts; default: the first num_val_prompts training examples (held out)
+    # drafter
+    num_layers: int = 5
+    block_size: int = 16
+    mask_token_id: int | None = None
+    target_layer_ids: list[int] | None = None
+    num_target_features: int = 5
+    draft_vocab_size: int | None = None  # reduced draft vocabulary: the most frequent response tokens of the data
+    # loss
+    num_anchors: int = 512
+    gamma: float | None = None
+    max_length: int = 2048
+    # optimisation
+    batch_size: int = 1
+    grad_accum: int = 1
+    epochs: float = 6
+    max_steps: int | None = None  # overrides epochs
+    lr: float = 6e-4
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.04
+    grad_clip: float = 1.0
+    mixed_precision: str = "no"  # "no", "bf16" or "fp16" (autocast; the drafter's weights stay float32)
+    target_dtype: str = "auto"  # "auto" (bfloat16 on GPU, float32 on CPU), "bfloat16", "float16", "float32"
+    # bookkeeping
+    save_every: int = 1000
+    keep_checkpoints: int = 2
+    eval_every: int = 1000
+    num_val_prompts: int = 8
+    val_max_new_tokens: int = 128
+    log_every: int = 10
+    seed: int = 0
+
+
+def load_target(name_or_path: str, dtype: torch.dtype) -> nn.Module:
+    """The target model: `transformers_dflash.smollm2.load_smollm2()` for "smollm2", else AutoModelForCausalLM."""
+    if name_or_path == "smollm2":
+        from ..smollm2 import load_smollm2
+
+        target, _ = load_smollm2(dtype=dtype)
+        return target
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step in `output_dir`, if any."""
+    found = []
+    for path in Path(output_dir).glob(CHECKPOINT_PREFIX + "*"):
+        match = re.fullmatch(CHECKPOINT_PREFIX + r"(\d+)", path.name)
+        if match and (path / TRAINING_STATE).exists():
+            found.append((int(match.group(1)), path))
+    return max(found)[1] if found else None
+
+
+def save_checkpoint(accelerator, output_dir, step, drafter, optimizer, scheduler, anchor_generator, keep):
+    """checkpoint-<step>/: the drafter (save_pretrained), optimizer.pt, rng-<rank>.pt and, last, training_state.pt."""
+    path = Path(output_dir) / f"{CHECKPOINT_PREFIX}{step:08d}"
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(drafter).save_pretrained(path)
+        torch.save(optimizer.state_dict(), path / "optimizer.pt")
+    path.mkdir(parents=True, exist_ok=True)
+    rng = {"anchors": anchor_generator.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    torch.save(rng, path / f"rng-{accelerator.process_index}.pt")
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        scaler = accelerator.scaler.state_dict() if accelerator.scaler is not None else None
+        torch.save({"step": step, "scheduler": scheduler.state_dict(), "scaler": scaler}, path / TRAINING_STATE)
+        checkpoints = sorted(Path(output_dir).glob(CHECKPOINT_PREFIX + "*"))
+        for old in checkpoints[: max(len(checkpoints) - max(keep, 1), 0)]:
+            shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+
+
+def load_checkpoint(accelerator, path, optimizer, scheduler, anchor_generator) -> int:
+    """Restore what `save_checkpoint` wrote (the drafter is loaded separately, before `prepare`); return the step."""
+    state = torch.load(path / TRAINING_STATE, weights_only=True)
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
+    scheduler.load_state_dict(state["scheduler"])
+    if accelerator.scaler is not None and state["scaler"] is not None:
+        accelerator.scaler.load_state_dict(state["scaler"])
+    rng = torch.load(path / f"rng-{accelerator.process_index}.pt", weights_only=True)
+    anchor_generator.set_state(rng["anchors"])
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return state["step"]
+
+
+def train(config: TrainingConfig, target: nn.Module | None = None) -> dict:
+    """Train a DFlash drafter for `target` (default: `load_target(config.target)`) on the shards in `config.data`.
+
+    Resumes from the latest checkpoint in `config.output` when there is one. The same code runs on one CPU and under
+    `accelerate launch` on several GPUs (DDP). Returns a summary: final step, the step it resumed from, the last
+    logged metrics and the last validation acceptance length.
+    """
+    from accelerate import Accelerator
+    from tqdm.auto import tqdm
+    from transformers import get_cosine_schedule_with_warmup
+
+    accelerator = Accelerator(mixed_precision=config.mixed_precision)
+    device = accelerator.device
+    output_dir = Path(config.output)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    log_path = output_dir / "log.jsonl"
+
+    def log(record):
+        if accelerator.is_main_process:
+            with open(log_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    # Target: frozen.
+    if target is None:
+        names = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32}
+        dtype = names.get(config.target_dtype) or getattr(torch, config.target_dtype)
+        target = load_target(config.target, dtype)
+    target.requires_grad_(False)
+    target.eval()
+    target.to(device)
+
+    # Drafter: from the latest checkpoint, or freshly initialised (same seed on every process). Float32 weights.
+    checkpoint = latest_checkpoint(output_dir)
+    torch.manual_seed(config.seed)
+    if checkpoint is not None:
+        drafter = DFlashDraftModel.from_pretrained(checkpoint, dtype=torch.float32)
+    else:
+        drafter = DFlashDraftModel.from_target(
+            target,
+            num_layers=config.num_layers,
+            block_size=config.block_size,
+            mask_token_id=config.mask_token_id,
+            target_layer_ids=config.target_layer_ids,
+            num_target_features=config.num_target_features,
+            draft_vocab_size=config.draft_vocab_size,
+        )
+        if config.draft_vocab_size is not None:  # the drafter's own mask token never enters its draft vocabulary
+            c = drafter.config
+            drafter.set_draft_vocabulary(
+                draft_vocabulary(config.data, c.draft_vocab_size, c.vocab_size, exclude=[c.mask_token_id])
+            )
+    check_cached_features(config.data, drafter.config.target_layer_ids)
+    drafter.float().train()
+    if drafter.config._attn_implementation in (None, "flash_attention_2"):
+        drafter.config._attn_implementation = "sdpa"  # FlashAttention-2 cannot express the packed-block mask
+
+    # Data: the first num_val_prompts examples are held out for validation unless val_data is given.
+    shards = list_shards(config.data)
+    shard_sizes = [len(load_shard(path)) for path in shards]
+    shard_offsets = [sum(shard_sizes[:i]) for i in range(len(shards))]
+    held_out = 0 if config.val_data else config.num_val_prompts
+    num_examples = sum(shard_sizes) - held_out
+    prompts = validation_prompts(config.val_data or config.data, config.num_val_prompts)
+    batches_per_epoch = num_examples // accelerator.num_processes // config.batch_size
+    total_steps = config.max_steps or math.ceil(config.epochs * batches_per_epoch / config.grad_accum)
+    if total_steps <= 0:
+        raise ValueError(f"Nothing to train: {num_examples} examples give {batches_per_epoch} batches per epoch.")
+
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    # The schedule counts optimizer steps and is stepped by hand, once per step (not prepared by accelerate).
+    scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(config.warmup_ratio * total_steps), total_steps)
+    drafter, optimizer = accelerator.prepare(drafter, optimizer)
+    anchor_generator = torch.Generator(device=device)
+    anchor_generator.manual_seed(config.seed + accelerator.process_index)
+
+    step = 0
+    if checkpoint is not None:
+        step = load_checkpoint(accelerator, checkpoint, optimizer, scheduler, anchor_generator)
+        accelerator.print(f"Resumed from {checkpoint} (step {step}).")
+    summary = {"resumed_from": step if checkpoint is not None else None, "val_acceptance_length": None}
+    log({"event": "start", "step": step, "total_steps": total_steps, "config": asdict(config)})
+
+    batches = training_batches(
+        shards, shard_offsets, num_examples, config.batch_size, config.max_length, config.seed,
+        rank=accelerator.process_index, world_size=accelerator.num_processes, skip_below=held_out,
+        start_batch=step * config.grad_accum,
+    )
+
+    def validate():
+        if accelerator.is_main_process and prompts:
+            tau = evaluate_acceptance_length(
+                target, accelerator.unwrap_model(drafter), prompts, config.val_max_new_tokens
+            )
+            summary["val_acceptance_length"] = tau
+            log({"step": step, "val_acceptance_length": tau})
+            progress.write(f"step {step}: validation acceptance length {tau:.3f} on {len(prompts)} prompts")
+        accelerator.wait_for_everyone()
+
+    progress = tqdm(total=total_steps, initial=step, desc="train", disable=not accelerator.is_main_process)
+    train_time, train_tokens = 0.0, 0
+    loss_sum, steps_since_log = torch.zeros((), device=device), 0
+    while step < total_steps:
+        start = time.perf_counter()
+        step_tokens = 0
+        for micro_step in range(config.grad_accum):
+            batch = {k: v.to(device) if v is not None else None for k, v in next(batches).items()}
+            padding = batch["attention_mask"]
+            step_tokens += batch["input_ids"].numel() if padding is None else int(padding.sum())  # sequence tokens
+            # Gradients are all-reduced across processes on the last micro-batch only.
+            is_last = micro_step == config.grad_accum - 1
+            sync_context = contextlib.nullcontext() if is_last else accelerator.no_sync(drafter)
+            with sync_context, accelerator.autocast():
+                loss, metrics = dflash_loss(
+                    drafter, target, batch["input_ids"], batch["loss_mask"], config.num_anchors,
+                    attention_mask=batch["attention_mask"], context_features=batch["context_features"],
+                    gamma=config.gamma, generator=anchor_generator,
+                )
+                accelerator.backward(loss / config.grad_accum)
+            loss_sum += metrics["loss"] / config.grad_accum
+        grad_norm = accelerator.clip_grad_norm_(drafter.parameters(), config.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        steps_since_log += 1
+
+        train_time += time.perf_counter() - start
+        train_tokens += step_tokens * accelerator.num_processes
+        progress.update(1)
+        if step % config.log_every == 0 or step == total_steps:
+            record = {
+                "step": step,
+                "loss": accelerator.reduce(loss_sum, reduction="mean").item() / steps_since_log,
+                "accuracy": metrics["accuracy"].item(),
+                "acceptance_length": metrics["acceptance_length"].item(),
+                "slot_accuracy": [round(a, 4) for a in metrics["slot_accuracy"].tolist()],
+                "lr": scheduler.get_last_lr()[0],
+                "grad_norm": float(grad_norm),
+                "tokens_per_second": train_tokens / train_time,
+            }
+            loss_sum.zero_()
+            steps_since_log = 0
+            log(record)
+            summary.update(record)
+            progress.set_postfix(
+                loss=f"{record['loss']:.3f}", acc=f"{record['accuracy']:.3f}",
+                tau=f"{record['acceptance_length']:.2f}", tok_s=f"{record['tokens_per_second']:.0f}",
+            )
+        if step % config.save_every == 0 or step == total_steps:
+            save_checkpoint(
+                accelerator, output_dir, step, drafter, optimizer, scheduler, anchor_generator, config.keep_checkpoints
+            )
+        if step % config.eval_every == 0 or step == total_steps:
+            validate()
+    progress.close()
+
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(drafter).save_pretrained(output_dir)
+    accelerator.wait_for_everyone()
+    summary["step"] = step
+    return summary

@@ -1,0 +1,110 @@
+"""The DFlash training loss: one step for a batch (context features, anchors, packed blocks, weighted
+cross-entropy)."""
+
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .blocks import block_position_ids, build_block_attention_mask, loss_weights, sample_anchors
+from .features import target_context_features
+
+
+def dflash_loss(
+    drafter: nn.Module,
+    target: nn.Module,
+    input_ids: torch.LongTensor,
+    loss_mask: torch.BoolTensor,
+    num_anchors: int,
+    attention_mask: torch.Tensor | None = None,
+    context_features: torch.Tensor | None = None,
+    gamma: float | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, dict]:
+    """The DFlash training loss of a batch: random anchored blocks, one packed drafter forward, weighted cross-entropy.
+
+    drafter: the `DFlashDraftModel` (possibly wrapped by DDP: its forward is what gets called).
+    target: the frozen target; its embeddings embed the blocks and its `lm_head` gives the logits. It runs only when
+        `context_features` is None.
+    input_ids `[b, S]`, loss_mask `[b, S]` (True on response tokens), attention_mask `[b, S]` (None = no padding).
+    context_features `[b, S, K * H]`: precomputed `target_context_features` (offline training), else computed here.
+    gamma: loss decay over block slots (default `default_gamma(block_size)`).
+    generator: random source of the anchors (`torch.Generator` on the batch's device).
+
+    Returns `(loss, metrics)`; metrics are detached tensors: `loss`, `accuracy` (top-1 over labelled slots),
+    `slot_accuracy` `[block_size - 1]` (slots 1 ..), `acceptance_length` (a proxy of tau: 1 + the mean number of
+    leading slots of a block that are all right, a slot without label counting as wrong), `num_blocks`, `num_labels`.
+    """
+    unwrapped = getattr(drafter, "module", drafter)
+    config = unwrapped.config
+    if config._attn_implementation == "flash_attention_2":
+        raise ValueError("FlashAttention-2 cannot apply the packed-block mask; train with 'sdpa' or 'eager' attention.")
+    block_size = config.block_size
+    batch, seq_len = input_ids.shape
+    device = input_ids.device
+    dtype = unwrapped.fc.weight.dtype
+
+    if context_features is None:
+        context_features = target_context_features(target, input_ids, config.target_layer_ids, attention_mask)
+
+    # Blocks: [clean anchor token, MASK x (block_size - 1)] at positions anchor .. anchor + block_size - 1.
+    anchors, anchor_valid = sample_anchors(loss_mask, num_anchors, block_size, generator)  # [b, n]
+    num_blocks = anchors.shape[1]
+    block_ids = torch.full((batch, num_blocks, block_size), config.mask_token_id, dtype=torch.long, device=device)
+    block_ids[:, :, 0] = input_ids.gather(1, anchors)
+    with torch.no_grad():
+        block_embeddings = target.get_input_embeddings()(block_ids.flatten(1))
+
+    hidden = drafter(
+        block_embeddings=block_embeddings.to(dtype),
+        context_features=context_features.to(dtype),
+        block_position_ids=block_position_ids(anchors, block_size),
+        context_position_ids=torch.arange(seq_len, device=device).expand(batch, seq_len),
+        attention_mask=build_block_attention_mask(anchors, seq_len, block_size),
+    ).last_hidden_state.view(batch, num_blocks, block_size, -1)
+
+    # Labels: slot k of a block predicts token[anchor + k]; it counts if that token is a response token.
+    slots = torch.arange(block_size, device=device)
+    label_positions = (anchors[:, :, None] + slots).clamp(max=seq_len - 1).flatten(1)
+    labels = input_ids.gather(1, label_positions).view(batch, num_blocks, block_size)
+    labelled = loss_mask.gather(1, label_positions).view(batch, num_blocks, block_size)
+    labelled = labelled & anchor_valid[:, :, None] & (slots > 0)
+
+    # Weighted cross-entropy over the labelled slots only (the LM head is the expensive part: skip the rest). With a
+    # reduced draft vocabulary the logits cover only its rows, and a label outside it has no loss (it can never be
+    # drafted) but counts as a miss in the metrics.
+    head_weight, head_bias = unwrapped.draft_head(target.get_output_embeddings())
+    logits = F.linear(hidden[labelled].to(head_weight.dtype), head_weight, head_bias)  # [num_labels, draft vocab]
+    logits = logits.float() if logits.element_size() < 4 else logits  # cross-entropy in float32 at least
+    targets = labels[labelled]
+    weights = loss_weights(block_size, gamma).to(device).expand_as(labelled)[labelled]
+    vocab_ids = unwrapped.draft_vocab_ids
+    if vocab_ids is None:
+        draft_targets = targets
+    else:
+        target_to_draft = torch.full((config.vocab_size,), -1, dtype=torch.long, device=device)
+        target_to_draft[vocab_ids] = torch.arange(len(vocab_ids), device=device)
+        draft_targets = target_to_draft[targets]
+        weights = weights * (draft_targets >= 0)
+    token_losses = F.cross_entropy(logits, draft_targets.clamp(min=0), reduction="none")
+    loss = (token_losses * weights).sum() / weights.sum().clamp(min=1e-8)
+
+    with torch.no_grad():
+        predictions = logits.argmax(dim=-1)
+        correct = (predictions if vocab_ids is None else vocab_ids[predictions]) == targets
+        slot_of_label = slots.expand_as(labelled)[labelled]
+        slot_counts = torch.bincount(slot_of_label, minlength=block_size)[1:]
+        slot_correct = torch.bincount(slot_of_label, weights=correct.float(), minlength=block_size)[1:]
+        correct_grid = torch.zeros_like(labelled)
+        correct_grid[labelled] = correct
+        accepted = correct_grid[:, :, 1:].long().cumprod(dim=-1).sum(dim=-1)  # [b, n], 0 for padding blocks
+        num_valid_blocks = anchor_valid.sum()
+        metrics = {
+            "loss": loss.detach(),
+            "accuracy": correct.float().sum() / max(len(correct), 1),
+            "slot_accuracy": slot_correct / slot_counts.clamp(min=1),
+            "acceptance_length": 1 + accepted.sum() / num_valid_blocks.clamp(min=1),
+            "num_blocks": num_valid_blocks,
+            "num_labels": labelled.sum(),
+        }
+    return loss, metrics
