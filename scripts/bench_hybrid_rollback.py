@@ -2,7 +2,7 @@
 the same size (docs/hybrid.md). Not a test: timings on a shared machine, printed as median [min-max] over repeats
 that interleave the two targets.
 
-    PYTHONPATH=src python scripts/bench_hybrid_rollback.py [--repeats 7] [--block 8] [--prompt 128] [--threads 1]
+    PYTHONPATH=src python scripts/bench_hybrid_rollback.py [--repeats 7] [--inner 5] [--block 8] [--prompt 128]
 
 Targets (float32, random weights, CPU): `qwen3` (every layer full attention) and `qwen3_5_text` (3 Gated DeltaNet
 layers per full-attention layer, transformers' PyTorch kernels) with the same hidden size, depth, heads and MLP. Per
@@ -48,7 +48,8 @@ def timed(fn, inner):
 
 
 @torch.no_grad()
-def measure(target, block, prompt_len, inner=5):
+def operations(target, block, prompt_len):
+    """The timed operations of one prefilled target, as callables that leave the cache as they found it."""
     keyword = cache_keyword(target)
     prompt = torch.randint(3, SHAPE["vocab_size"], (1, prompt_len), generator=torch.Generator().manual_seed(1))
     cache = new_target_cache(target, {}, target.generation_config)
@@ -58,76 +59,72 @@ def measure(target, block, prompt_len, inner=5):
     block_ids = torch.randint(3, SHAPE["vocab_size"], (1, block), generator=torch.Generator().manual_seed(2))
     positions = torch.arange(prompt_len, prompt_len + block)[None]
 
-    def forward(ids, pos):
-        target(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=ids.shape[1], **{keyword: cache})
+    @torch.no_grad()
+    def forward(width):
+        target(input_ids=block_ids[:, :width], position_ids=positions[:, :width], use_cache=True,
+               logits_to_keep=width, **{keyword: cache})
+        ops.crop(-width)  # attention back to the prompt (the recurrent state moves on: timing is unaffected)
 
-    def verify():
-        forward(block_ids, positions)
-        ops.crop(-block)
-
-    def decode():
-        forward(block_ids[:, :1], positions[:, :1])
-        ops.crop(-1)
-
-    result = {"verify": timed(verify, inner), "decode": timed(decode, inner)}
+    result = {"decode": lambda: forward(1), "verify": lambda: forward(block)}
     if rollback is not None:
         rollback.snapshot()
-        result["snapshot"] = timed(rollback.snapshot, inner * 4)
+        result["snapshot"] = rollback.snapshot
         for kept in (1, block // 2):
-            def roll(kept=kept):
-                rollback.restore()
-                forward(block_ids[:, :kept], positions[:, :kept])
-                ops.crop(-kept)
-            result[f"rollback k={kept}"] = timed(roll, inner)
-    return result
-
-
-def dflash_step(target, block, prompt_len, new_tokens=24):
+            result[f"rollback k={kept}"] = lambda kept=kept: (rollback.restore(), forward(kept))
     torch.manual_seed(3)
     drafter = DFlashDraftModel.from_target(target, num_layers=1, block_size=block).eval()
     drafter.draft_length, drafter.ngram_lookup = "full", 0
-    prompt = torch.randint(3, SHAPE["vocab_size"], (1, prompt_len), generator=torch.Generator().manual_seed(1))
-    start = time.perf_counter()
-    target.generate(prompt, max_new_tokens=new_tokens, do_sample=False, assistant_model=drafter)
-    seconds = time.perf_counter() - start
-    return seconds / (len(drafter.last_acceptance_lengths) - 1) * 1e3  # minus the prefill "step"
+
+    def dflash_step(new_tokens=16):
+        start = time.perf_counter()
+        target.generate(prompt, max_new_tokens=new_tokens, do_sample=False, assistant_model=drafter)
+        steps = len(drafter.last_acceptance_lengths) - 1  # minus the prefill
+        return (time.perf_counter() - start) / steps * 1e3
+
+    return result, dflash_step
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--inner", type=int, default=5)
     parser.add_argument("--block", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    targets = {"attention": build("qwen3"), "hybrid": build("qwen3_5_text")}
-    for target in targets.values():  # warm-up (kernel selection, allocator)
-        measure(target, args.block, args.prompt, inner=1)
-    samples = {name: {} for name in targets}
+    setups = {name: operations(build(model_type), args.block, args.prompt)
+              for name, model_type in (("attention", "qwen3"), ("hybrid", "qwen3_5_text"))}
+    keys = ["decode", "verify", "snapshot", "rollback k=1", f"rollback k={args.block // 2}", "dflash step"]
+    samples = {name: {key: [] for key in keys} for name in setups}
+    for name, (ops, step) in setups.items():  # warm-up (kernel selection, allocator)
+        for fn in ops.values():
+            fn()
+        step()
     for _ in range(args.repeats):
-        for name, target in targets.items():  # interleaved, so load changes hit both alike
-            for key, value in measure(target, args.block, args.prompt).items():
-                samples[name].setdefault(key, []).append(value)
-            samples[name].setdefault("dflash step", []).append(dflash_step(target, args.block, args.prompt))
+        for key in keys:  # each operation on both targets back to back, so load changes hit both alike
+            for name, (ops, step) in setups.items():
+                if key == "dflash step":
+                    samples[name][key].append(step())
+                elif key in ops:
+                    samples[name][key].append(timed(ops[key], args.inner))
 
     def show(values):
-        return f"{statistics.median(values):7.2f} [{min(values):.2f}-{max(values):.2f}]"
+        return f"{statistics.median(values):7.2f} [{min(values):.2f}-{max(values):.2f}]" if values else "-"
 
     import transformers
 
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, {args.threads} thread(s), "
-          f"prompt {args.prompt}, block {args.block}, {args.repeats} repeats; ms, median [min-max]")
-    print(f"{'':22s} {'attention-only':>24s} {'hybrid':>24s} {'ratio':>7s}")
-    keys = ["decode", "verify", "snapshot", "rollback k=1", f"rollback k={args.block // 2}", "dflash step"]
+          f"prompt {args.prompt}, block {args.block}, {args.repeats} repeats x {args.inner}; "
+          "ms, median [min-max]; ratio = hybrid / attention-only, per repeat")
+    print(f"{'':16s} {'attention-only':>22s} {'hybrid':>22s} {'ratio':>22s}")
     for key in keys:
-        a, h = samples["attention"].get(key), samples["hybrid"].get(key)
-        ratio = f"{statistics.median(h) / statistics.median(a):6.2f}x" if a and h else ""
-        print(f"{key:22s} {show(a) if a else '-':>24s} {show(h) if h else '-':>24s} {ratio:>7s}")
+        a, h = samples["attention"][key], samples["hybrid"][key]
+        ratios = [y / x for x, y in zip(a, h)] if a and h else []
+        print(f"{key:16s} {show(a):>22s} {show(h):>22s} {show(ratios):>22s}")
     h = samples["hybrid"]
-    overhead = statistics.median(h["snapshot"]) + statistics.median(h["rollback k=1"])
-    print(f"hybrid rollback per rejecting step (snapshot + rollback k=1) / hybrid verify: "
-          f"{overhead / statistics.median(h['verify']):.2f}")
+    shares = [(s + r) / v for s, r, v in zip(h["snapshot"], h["rollback k=1"], h["verify"])]
+    print(f"hybrid: (snapshot + rollback k=1) / verify, per repeat: {show(shares)}")
 
 
 if __name__ == "__main__":

@@ -232,3 +232,74 @@ def test_the_stateful_flag_is_restored_after_generate():
     assert target._is_stateful and "_is_stateful" not in target.__dict__
     with pytest.raises(ValueError, match="stateful"):  # transformers' own refusal for other assistants stays
         target.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, assistant_model=make_family_target("qwen3"))
+
+
+# --- Qwen3.5 as a vision-language model, and the released Qwen3.6-27B-DFlash layout ---------------------------------
+
+
+def _qwen3_5_vl():
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    text = dict(FAMILIES["qwen3_5"][1], vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512, bos_token_id=1,
+                eos_token_id=None, pad_token_id=PAD)
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
+                  temporal_patch_size=1, spatial_merge_size=1)
+    config = Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=90, video_token_id=91,
+                           vision_start_token_id=92, vision_end_token_id=93)
+    torch.manual_seed(0)
+    model = Qwen3_5ForConditionalGeneration(config).to(torch.float64).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(5.0)
+    return model
+
+
+@pytest.mark.skipif(MAJOR < 5, reason="Qwen3.5 exists in transformers >= 5 only")
+def test_qwen3_5_vision_language_model_with_text_prompts(oracle):
+    target = _qwen3_5_vl()
+    drafter = _drafter(target)
+    prompt = torch.randint(3, 80, (1, 7), generator=torch.Generator().manual_seed(7))
+    expected = target.generate(prompt, max_new_tokens=20, do_sample=False)
+    assert torch.equal(target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=drafter), expected)
+    oracle([expected[0]], corrupt=0.3)
+    assert torch.equal(target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=drafter), expected)
+    assert any(n > 1 for n in drafter.last_acceptance_lengths)
+    # image inputs would not reach the target through DFlash decoding: refused, never silently ignored
+    with pytest.raises(ValueError, match=r"text prompts only.*\['image_grid_thw', 'pixel_values'\]"):
+        target.generate(prompt, max_new_tokens=4, assistant_model=drafter, pixel_values=torch.zeros(4, 48),
+                        image_grid_thw=torch.tensor([[1, 2, 2]]))
+
+
+@pytest.mark.skipif(MAJOR < 5, reason="Qwen3.5 / 3.6 targets exist in transformers >= 5 only")
+def test_released_qwen3_6_dflash_layout_on_a_tiny_hybrid_target(tmp_path, oracle):
+    """The Qwen3.6-27B-DFlash layout (4 sliding + 1 full drafter layers, block_size and mask_token_id inside
+    dflash_config, five target layers of a 3:1 linear/full hybrid) scaled down: zero missing keys, lossless."""
+    import json
+
+    from safetensors.torch import save_file
+    from test_checkpoints import _released_config, _released_tensors
+
+    from transformers_dflash import DFlashDraftModel
+
+    target = make_family_target("qwen3_5", num_hidden_layers=8)  # 64 layers scaled to 8, same 3:1 pattern
+    assert target.config.layer_types.count("full_attention") == 2
+    config = _released_config(num_layers=5, block_size_inside=True, sliding=True)
+    config["dflash_config"]["target_layer_ids"] = [1, 2, 3, 5, 6]  # five of eight, like [1, 16, 31, 46, 61] of 64
+    config["num_target_layers"] = 8
+    tensors = _released_tensors(config)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file(tensors, tmp_path / "model.safetensors")
+    drafter, info = DFlashDraftModel.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert drafter.config.layer_types == ["sliding_attention"] * 4 + ["full_attention"]
+    assert drafter.config.block_size == 16 and drafter.config.mask_token_id == 95
+    drafter = drafter.to(torch.float64)
+    drafter.draft_length, drafter.ngram_lookup = "full", 0
+    prompt = torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(8))
+    expected = target.generate(prompt, max_new_tokens=40, do_sample=False)
+    assert torch.equal(target.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=drafter), expected)
+    oracle([expected[0]], corrupt=0.3)
+    assert torch.equal(target.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=drafter), expected)
+    assert max(drafter.last_acceptance_lengths) > 4

@@ -105,3 +105,34 @@ def test_unsupported_rows_are_refused():
             assert "assistant_model" in str(error) or "Upgrade transformers" in str(error)
     expected = {4: {"lfm2", "granitemoehybrid", "falcon_h1"}, 5: set()}[MAJOR]
     assert set(refused) == expected
+
+
+def test_gpt_oss_yarn_rope_comes_from_transformers():
+    """gpt-oss uses yarn RoPE: the drafter takes transformers' own initialiser, attention scale included."""
+    import math
+
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    target = make_family_target("gpt_oss")
+    drafter = make_drafter(target)
+    params = drafter.config.rope_parameters
+    assert params["rope_type"] == "yarn" and params["factor"] == 32.0
+    rotary = drafter.rotary_emb
+    assert math.isclose(rotary.attention_scaling, 0.1 * math.log(32.0) + 1.0)
+    # the target's own rotary embedding (same head_dim here) has the same frequencies
+    target_rotary = target.model.rotary_emb
+    assert torch.allclose(rotary.inv_freq(torch.device("cpu")), target_rotary.inv_freq.float())
+    assert "yarn" in ROPE_INIT_FUNCTIONS
+
+
+def test_moe_config_without_a_dense_mlp_width_gets_the_documented_default():
+    from transformers_dflash.configuration_dflash import DEFAULT_MLP_RATIO, decoder_shape_kwargs
+
+    name = "qwen3_5_moe" if MAJOR >= 5 else "qwen3_next"
+    target = make_family_target(name)
+    config = target.config
+    config.__dict__.pop("intermediate_size", None)  # as in Qwen3.5-MoE's own config class
+    assert getattr(config, "intermediate_size", None) is None
+    assert decoder_shape_kwargs(config)["intermediate_size"] == DEFAULT_MLP_RATIO * 32
+    assert make_drafter(target).config.intermediate_size == DEFAULT_MLP_RATIO * 32
+    assert make_drafter(target, intermediate_size=40).config.intermediate_size == 40

@@ -19,6 +19,10 @@ Ragged acceptance across rows (the cache design): the target's KV cache and the 
 leaves masked slots ("holes") in the 2-D attention mask, and slots rejected by every row are cropped. Position ids
 are tracked per row, so RoPE sees true positions despite holes and left padding. Finished rows leave the batch
 (their cache rows are dropped), so they stop costing work.
+
+Hybrid targets (linear-attention / state-space layers, `state_rollback.py`): their recurrent state cannot be cropped
+or have holes, so it is copied before each verification and, after a partly kept block, restored and advanced by
+re-feeding the kept tokens; their batched rows commit the same number of tokens per step.
 """
 
 import contextlib
@@ -72,7 +76,8 @@ def dflash_decoding(
     # commit the same number of tokens per step.
     align_rows = input_ids.shape[0] > 1 and (has_sliding_window(target) or rollback is not None)
     use_kernels = generator.fast_cpu_linears and input_ids.device.type == "cpu"
-    with cpu_kernels(target, drafter) if use_kernels else contextlib.nullcontext(), legacy_qwen3_next_continuation(target):
+    kernels = cpu_kernels(target, drafter) if use_kernels else contextlib.nullcontext()
+    with kernels, legacy_qwen3_next_continuation(target):  # the latter: transformers 4.57's Qwen3-Next only
         try:
             keep = prefill(state, input_ids, target, target_forward, generator, logits_processor, stopping_criteria, do_sample)
             while keep:

@@ -29,6 +29,13 @@ def prepare_generate_kwargs(drafter: nn.Module, target: nn.Module, args: tuple, 
             "DFlash decoding needs token ids (the drafter embeds its blocks with the target's embedding table); pass "
             "input_ids instead of inputs_embeds."
         )
+    media = sorted(k for k, v in kwargs.items() if v is not None and _is_media_input(k))
+    if media:
+        raise ValueError(
+            f"DFlash decoding takes text prompts only; this call also passes {media}, which it would not feed to the "
+            "target (the output would silently differ). Generate without assistant_model for image, video or audio "
+            "prompts."
+        )
     inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
     if isinstance(inputs, torch.Tensor) and inputs.dim() == 2:
         check_padding(kwargs.get("attention_mask"), inputs)
@@ -58,6 +65,11 @@ def prepare_generate_kwargs(drafter: nn.Module, target: nn.Module, args: tuple, 
     return kwargs
 
 
+
+
+def _is_media_input(name: str) -> bool:
+    """Multimodal inputs of transformers' vision / audio models (pixel_values, image_grid_thw, input_features, ...)."""
+    return name.startswith(("pixel_values", "image_", "video_", "audio_", "input_features")) or name.endswith("_grid_thw")
 
 
 def _implementation(assistant_model):
