@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from transformers_dflash.data import load_prompts
-from transformers_dflash.data.regeneration import _chat_token_ids, _eos_ids, _pad_id
 from transformers_dflash.data.engines import CTranslate2Engine, TransformersEngine
+from transformers_dflash.data.regeneration import _chat_token_ids, _eos_ids, _pad_id
 from transformers_dflash.smollm2 import load_smollm2
 
 
@@ -30,13 +30,16 @@ def build_engines(model, tokenizer, threads: int) -> dict:
     eos, pad = _eos_ids(model, tokenizer), _pad_id(tokenizer, _eos_ids(model, tokenizer))
     return {
         "reference: transformers batch 1": TransformersEngine(model, eos, pad, batch_size=1),
-        "transformers batch 64, arbitrary order": TransformersEngine(model, eos, pad, batch_size=64,
-                                                                     pad_fraction=float("inf")),
+        "transformers batch 64, arbitrary order": TransformersEngine(
+            model, eos, pad, batch_size=64, pad_fraction=float("inf")
+        ),
         "transformers batch 16, length buckets": TransformersEngine(model, eos, pad, batch_size=16),
         "ctranslate2 float32, batch 32": CTranslate2Engine.from_transformers(
-            model, tokenizer, eos, compute_type="float32", batch_size=32, threads=threads),
+            model, tokenizer, eos, compute_type="float32", batch_size=32, threads=threads
+        ),
         "ctranslate2 int8, batch 32": CTranslate2Engine.from_transformers(
-            model, tokenizer, eos, compute_type="int8", batch_size=32, threads=threads),
+            model, tokenizer, eos, compute_type="int8", batch_size=32, threads=threads
+        ),
     }
 
 
@@ -54,8 +57,10 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> tuple[flo
 def print_table(engines: dict, timings: dict, outputs: dict, rounds: int) -> None:
     first = next(iter(engines))
     reference = outputs[first][0] if "reference" in first else None
-    print(f"\nafter round {rounds}: load average {os.getloadavg()[0]:.2f} (2 cores; the machine is shared with other "
-          "work)")
+    print(
+        f"\nafter round {rounds}: load average {os.getloadavg()[0]:.2f} (2 cores; the machine is shared with other "
+        "work)"
+    )
     print("| engine | tok/s median | min-max | runs | identical responses | prefix tokens |")
     print("|---|---|---|---|---|---|")
     for name in engines:
@@ -64,8 +69,11 @@ def print_table(engines: dict, timings: dict, outputs: dict, rounds: int) -> Non
         if reference is not None:
             ident, prefix = agreement(outputs[name][0], reference)
         stable = all(o == outputs[name][0] for o in outputs[name])
-        print(f"| {name} | {statistics.median(rates):.1f} | {min(rates):.1f}-{max(rates):.1f} | {len(rates)} | "
-              f"{ident:.3f} | {prefix:.3f} |" + ("" if stable else " (outputs differed between runs)"), flush=True)
+        print(
+            f"| {name} | {statistics.median(rates):.1f} | {min(rates):.1f}-{max(rates):.1f} | {len(rates)} | "
+            f"{ident:.3f} | {prefix:.3f} |" + ("" if stable else " (outputs differed between runs)"),
+            flush=True,
+        )
 
 
 def main() -> int:
@@ -75,8 +83,12 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--skip", nargs="*", default=[], help="engine names (substrings) to leave out")
-    parser.add_argument("--once", nargs="*", default=["reference", "batch 64"],
-                        help="engines (substrings) timed in the first round only (the slow ones)")
+    parser.add_argument(
+        "--once",
+        nargs="*",
+        default=["reference", "batch 64"],
+        help="engines (substrings) timed in the first round only (the slow ones)",
+    )
     parser.add_argument("--json", default=None, help="also write the raw timings here")
     args = parser.parse_args()
 
@@ -85,11 +97,15 @@ def main() -> int:
     _, prompts = load_prompts("validation", limit=args.num_prompts)
     prompt_ids = [_chat_token_ids(tokenizer, p, None, None, None) for p in prompts]
     lengths = sorted(len(p) for p in prompt_ids)
-    print(f"{len(prompt_ids)} prompts, {lengths[0]}..{lengths[-1]} tokens (median {lengths[len(lengths) // 2]}), "
-          f"greedy, {args.max_new_tokens} new tokens max, {args.threads} threads; load average before "
-          f"{os.getloadavg()[0]:.2f}", flush=True)
-    engines = {k: v for k, v in build_engines(model, tokenizer, args.threads).items()
-               if not any(s in k for s in args.skip)}
+    print(
+        f"{len(prompt_ids)} prompts, {lengths[0]}..{lengths[-1]} tokens (median {lengths[len(lengths) // 2]}), "
+        f"greedy, {args.max_new_tokens} new tokens max, {args.threads} threads; load average before "
+        f"{os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
+    engines = {
+        k: v for k, v in build_engines(model, tokenizer, args.threads).items() if not any(s in k for s in args.skip)
+    }
     for engine in engines.values():  # warm-up (first-call allocations, thread pools)
         engine.generate(prompt_ids[:2], 4)
     timings: dict[str, list[float]] = {k: [] for k in engines}
@@ -104,8 +120,11 @@ def main() -> int:
             tokens = sum(len(o) for o in out)
             timings[name].append(tokens / seconds)
             outputs[name].append(out)
-            print(f"  round {r + 1} {name}: {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.1f} tok/s "
-                  f"(load {os.getloadavg()[0]:.2f})", flush=True)
+            print(
+                f"  round {r + 1} {name}: {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.1f} tok/s "
+                f"(load {os.getloadavg()[0]:.2f})",
+                flush=True,
+            )
         print_table(engines, timings, outputs, r + 1)
     if args.json:
         Path(args.json).write_text(json.dumps({"timings": timings, "args": vars(args)}, indent=1))

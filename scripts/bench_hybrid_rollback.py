@@ -26,11 +26,26 @@ from transformers_dflash import DFlashDraftModel
 from transformers_dflash.state_rollback import StateRollback
 from transformers_dflash.target_model import cache_keyword, new_target_cache
 
-SHAPE = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=8,
-             num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, bos_token_id=1, eos_token_id=None,
-             pad_token_id=0)
-LINEAR = dict(linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=4,
-              linear_num_value_heads=8)
+SHAPE = dict(
+    vocab_size=4096,
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=4096,
+    bos_token_id=1,
+    eos_token_id=None,
+    pad_token_id=0,
+)
+LINEAR = dict(
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+)
 
 
 def build(model_type):
@@ -61,8 +76,13 @@ def operations(target, block, prompt_len):
 
     @torch.no_grad()
     def forward(width):
-        target(input_ids=block_ids[:, :width], position_ids=positions[:, :width], use_cache=True,
-               logits_to_keep=width, **{keyword: cache})
+        target(
+            input_ids=block_ids[:, :width],
+            position_ids=positions[:, :width],
+            use_cache=True,
+            logits_to_keep=width,
+            **{keyword: cache},
+        )
         ops.crop(-width)  # attention back to the prompt (the recurrent state moves on: timing is unaffected)
 
     result = {"decode": lambda: forward(1), "verify": lambda: forward(block)}
@@ -93,11 +113,13 @@ def main():
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    setups = {name: operations(build(model_type), args.block, args.prompt)
-              for name, model_type in (("attention", "qwen3"), ("hybrid", "qwen3_5_text"))}
+    setups = {
+        name: operations(build(model_type), args.block, args.prompt)
+        for name, model_type in (("attention", "qwen3"), ("hybrid", "qwen3_5_text"))
+    }
     keys = ["decode", "verify", "snapshot", "rollback k=1", f"rollback k={args.block // 2}", "dflash step"]
     samples = {name: {key: [] for key in keys} for name in setups}
-    for name, (ops, step) in setups.items():  # warm-up (kernel selection, allocator)
+    for ops, step in setups.values():  # warm-up (kernel selection, allocator)
         for fn in ops.values():
             fn()
         step()
@@ -114,9 +136,11 @@ def main():
 
     import transformers
 
-    print(f"transformers {transformers.__version__}, torch {torch.__version__}, {args.threads} thread(s), "
-          f"prompt {args.prompt}, block {args.block}, {args.repeats} repeats x {args.inner}; "
-          "ms, median [min-max]; ratio = hybrid / attention-only, per repeat")
+    print(
+        f"transformers {transformers.__version__}, torch {torch.__version__}, {args.threads} thread(s), "
+        f"prompt {args.prompt}, block {args.block}, {args.repeats} repeats x {args.inner}; "
+        "ms, median [min-max]; ratio = hybrid / attention-only, per repeat"
+    )
     print(f"{'':16s} {'attention-only':>22s} {'hybrid':>22s} {'ratio':>22s}")
     for key in keys:
         a, h = samples["attention"][key], samples["hybrid"][key]

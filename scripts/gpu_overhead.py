@@ -45,13 +45,29 @@ if (ROOT / "src" / "transformers_dflash").is_dir():
 import torch  # noqa: E402
 
 QWEN3_8B = dict(
-    vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-    num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
     tie_word_embeddings=False,
 )
 TINY = dict(
-    vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, rope_theta=1000000.0, rms_norm_eps=1e-6,
+    vocab_size=1024,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=4096,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
     tie_word_embeddings=False,
 )
 
@@ -60,10 +76,17 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="tiny shapes (6-layer target, hidden 128) for a CPU check")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
-                   help="default: bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--attn", default=None,
-                   help="comma-separated backends (default: sdpa, plus flash_attention_2 when flash_attn is installed)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["bfloat16", "float16", "float32"],
+        help="default: bfloat16 on CUDA, float32 on CPU",
+    )
+    p.add_argument(
+        "--attn",
+        default=None,
+        help="comma-separated backends (default: sdpa, plus flash_attention_2 when flash_attn is installed)",
+    )
     p.add_argument("--contexts", default=None, help="KV-cache lengths (default: 512,2048; --tiny: 64,256)")
     p.add_argument("--tau", type=float, default=6.49, help="acceptance length to emulate (published Qwen3-8B mean)")
     p.add_argument("--block-size", type=int, default=16)
@@ -166,8 +189,9 @@ def forward_timings(target, drafter, context, block_size, tau, iters, device):
         dtype = next(target.parameters()).dtype
         features = torch.randn(1, context, k_features, generator=g).to(device, dtype)
         anchor = prompt[:, -1]
-        generator.draft(anchor, torch.tensor([context], device=device), features,
-                        torch.arange(context, device=device)[None])
+        generator.draft(
+            anchor, torch.tensor([context], device=device), features, torch.arange(context, device=device)[None]
+        )
         cached = generator.cache.context_length
         cached_positions = generator.cache.positions.clone()
 
@@ -277,8 +301,11 @@ def generate_timings(target, drafter, context, new_tokens, tau, runs, device, to
         fn()
     t_prefill, t_plain, t_dflash, steps, accepted = [], [], [], [], []
     for _ in range(runs):
-        for name, fn, store in (("prefill", prefill_only, t_prefill), ("plain", plain, t_plain),
-                                ("dflash", dflash, t_dflash)):
+        for name, fn, store in (
+            ("prefill", prefill_only, t_prefill),
+            ("plain", plain, t_plain),
+            ("dflash", dflash, t_dflash),
+        ):
             sync(device)
             start = time.perf_counter()
             fn()
@@ -383,37 +410,46 @@ def main(argv=None):
         for context in contexts:
             t0 = time.perf_counter()
             kernels = forward_timings(target, drafter, context, args.block_size, args.tau, iters, device)
-            gen = generate_timings(target, drafter, context, new_tokens, args.tau, args.runs, device,
-                                   args.torch_profile)
+            gen = generate_timings(
+                target, drafter, context, new_tokens, args.tau, args.runs, device, args.torch_profile
+            )
             row = {"attn": attn, "context": context, **kernels, **gen}
             results.append(row)
             print(f"{attn} C={context}: done in {time.perf_counter() - t0:.1f} s", flush=True)
 
     print()
-    print("| attention | context | verify 1 tok (ms) | verify block (ms) | drafter fwd (ms) | plain ms/token | "
-          "DFlash step (ms) | tau (emulated) | r = step/plain | speedup (decode) | speedup (e2e) | greedy = plain |")
+    print(
+        "| attention | context | verify 1 tok (ms) | verify block (ms) | drafter fwd (ms) | plain ms/token | "
+        "DFlash step (ms) | tau (emulated) | r = step/plain | speedup (decode) | speedup (e2e) | greedy = plain |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in results:
         equal = "yes" if r["outputs_equal"] else f"from token {r['first_difference']} on, no"
-        print(f"| {r['attn']} | {r['context']} | {r['verify_1_ms']:.2f} | {r['verify_block_ms']:.2f} | "
-              f"{r['draft_tau_ms']:.2f} | {r['plain_ms_per_token']:.2f} | {r['dflash_step_ms']:.2f} | "
-              f"{r['tau_emulated']:.2f} | {r['r']:.2f} | {r['speedup_decode_only']:.2f}x | "
-              f"{r['speedup_end_to_end']:.2f}x | "
-              f"{equal} |")
+        print(
+            f"| {r['attn']} | {r['context']} | {r['verify_1_ms']:.2f} | {r['verify_block_ms']:.2f} | "
+            f"{r['draft_tau_ms']:.2f} | {r['plain_ms_per_token']:.2f} | {r['dflash_step_ms']:.2f} | "
+            f"{r['tau_emulated']:.2f} | {r['r']:.2f} | {r['speedup_decode_only']:.2f}x | "
+            f"{r['speedup_end_to_end']:.2f}x | "
+            f"{equal} |"
+        )
     print()
     print("Kernel-level bound: r_min = (verify block + drafter fwd) / verify 1 tok, i.e. without any overhead:")
     for r in results:
         r["r_kernels"] = (r["verify_block_ms"] + r["draft_tau_ms"]) / r["verify_1_ms"]
-        print(f"- {r['attn']} C={r['context']}: r_min = {r['r_kernels']:.2f}, r measured = {r['r']:.2f}, implied "
-              f"speedup at tau {args.tau:g}: {args.tau / r['r']:.2f}x")
+        print(
+            f"- {r['attn']} C={r['context']}: r_min = {r['r_kernels']:.2f}, r measured = {r['r']:.2f}, implied "
+            f"speedup at tau {args.tau:g}: {args.tau / r['r']:.2f}x"
+        )
     print()
     print("Where a DFlash step goes (ms per step; separate run with a device sync at every boundary):\n")
     print("| attention | context | draft | verify | cache crop | accept/commit | other (Python) | step |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         b = r["breakdown"]
-        print(f"| {r['attn']} | {r['context']} | {b['draft_ms']:.2f} | {b['verify_ms']:.2f} | "
-              f"{b['cache_crop_ms']:.3f} | {b['accept_commit_ms']:.3f} | {b['other_ms']:.2f} | {b['step_ms']:.2f} |")
+        print(
+            f"| {r['attn']} | {r['context']} | {b['draft_ms']:.2f} | {b['verify_ms']:.2f} | "
+            f"{b['cache_crop_ms']:.3f} | {b['accept_commit_ms']:.3f} | {b['other_ms']:.2f} | {b['step_ms']:.2f} |"
+        )
     for r in results:
         if "torch_profile" in r:
             print(f"\ntorch.profiler, {r['attn']} C={r['context']}:\n{r['torch_profile']}")

@@ -23,7 +23,12 @@ for version in $TRANSFORMERS_VERSIONS; do
     "$venv/bin/pip" install -q --no-deps -e . >/dev/null
     "$venv/bin/python" -c "import pyarrow, ctranslate2, datasets" 2>/dev/null \
       || "$venv/bin/pip" install -q pyarrow ctranslate2 datasets "transformers==$version"  # pinned: keeps its hub
+    [ -x "$venv/bin/ruff" ] || "$venv/bin/pip" install -q "ruff>=0.6"
   fi
   echo "=== transformers $version ==="
   HF_HUB_OFFLINE=1 "$venv/bin/python" -m pytest -q "$@"
 done
+# Lint and format check with the settings in pyproject.toml (the pre-commit hooks run the same).
+echo "=== ruff ==="
+"$venv/bin/ruff" check .
+"$venv/bin/ruff" format --check .

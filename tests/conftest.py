@@ -27,7 +27,14 @@ ARCHITECTURES = {
 
 
 def make_target(
-    arch="llama", attn="sdpa", dtype=torch.float64, seed=0, num_layers=4, eos_token_id=EOS, vocab_size=VOCAB, **overrides
+    arch="llama",
+    attn="sdpa",
+    dtype=torch.float64,
+    seed=0,
+    num_layers=4,
+    eos_token_id=EOS,
+    vocab_size=VOCAB,
+    **overrides,
 ):
     settings = dict(
         vocab_size=vocab_size,

@@ -12,11 +12,23 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 MAJOR = int(transformers.__version__.split(".")[0])
 
-_LINEAR = dict(linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
-               linear_num_value_heads=4)
+_LINEAR = dict(
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+)
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
-_MAMBA = dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
-              mamba_chunk_size=16)
+_MAMBA = dict(
+    mamba_n_heads=4,
+    mamba_d_head=16,
+    mamba_n_groups=1,
+    mamba_d_state=8,
+    mamba_d_conv=4,
+    mamba_expand=2,
+    mamba_chunk_size=16,
+)
 
 # name: (model_type, settings, hybrid, transformers major versions that have it)
 FAMILIES = {
@@ -27,19 +39,56 @@ FAMILIES = {
     "mistral": ("mistral", {"sliding_window": 8}, False, (4, 5)),
     # Tied embeddings make these tiny random models repeat one token; untied they do not.
     "gemma2": ("gemma2", {"sliding_window": 8, "tie_word_embeddings": False}, False, (4, 5)),
-    "gemma3": ("gemma3_text", {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"] * 2,
-                               "tie_word_embeddings": False}, False, (4, 5)),
+    "gemma3": (
+        "gemma3_text",
+        {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"] * 2, "tie_word_embeddings": False},
+        False,
+        (4, 5),
+    ),
     "phi3": ("phi3", {}, False, (4, 5)),
-    "gpt_oss": ("gpt_oss", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
-                            "layer_types": ["sliding_attention", "full_attention"] * 2, "_scale": 2.0}, False, (4, 5)),
+    "gpt_oss": (
+        "gpt_oss",
+        {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+            "_scale": 2.0,
+        },
+        False,
+        (4, 5),
+    ),
     "qwen3_5": ("qwen3_5_text", _LINEAR, True, (5,)),
     "qwen3_5_moe": ("qwen3_5_moe_text", dict(_LINEAR, **_MOE, shared_expert_intermediate_size=16), True, (5,)),
-    "qwen3_next": ("qwen3_next", dict(_LINEAR, **_MOE, shared_expert_intermediate_size=16, decoder_sparse_step=1),
-                   True, (4, 5)),
-    "lfm2": ("lfm2", {"layer_types": ["conv", "full_attention", "conv", "full_attention"], "conv_L_cache": 3,
-                      "block_ff_dim": 64, "block_auto_adjust_ff_dim": False, "tie_word_embeddings": False}, True, (4, 5)),
-    "granitemoehybrid": ("granitemoehybrid", dict(_MAMBA, layer_types=["mamba", "attention", "mamba", "attention"],
-                                                  num_local_experts=0, shared_intermediate_size=64), True, (4, 5)),
+    "qwen3_next": (
+        "qwen3_next",
+        dict(_LINEAR, **_MOE, shared_expert_intermediate_size=16, decoder_sparse_step=1),
+        True,
+        (4, 5),
+    ),
+    "lfm2": (
+        "lfm2",
+        {
+            "layer_types": ["conv", "full_attention", "conv", "full_attention"],
+            "conv_L_cache": 3,
+            "block_ff_dim": 64,
+            "block_auto_adjust_ff_dim": False,
+            "tie_word_embeddings": False,
+        },
+        True,
+        (4, 5),
+    ),
+    "granitemoehybrid": (
+        "granitemoehybrid",
+        dict(
+            _MAMBA,
+            layer_types=["mamba", "attention", "mamba", "attention"],
+            num_local_experts=0,
+            shared_intermediate_size=64,
+        ),
+        True,
+        (4, 5),
+    ),
     "falcon_h1": ("falcon_h1", dict(_MAMBA, mamba_d_ssm=64, projectors_bias=False, _scale=1.0), True, (4, 5)),
 }
 HYBRID = [name for name, spec in FAMILIES.items() if spec[2]]
@@ -57,8 +106,16 @@ def make_family_target(name, dtype=torch.float64, seed=0, eos_token_id=None, voc
     family_scale = family_settings.pop("_scale", 5.0)
     scale = family_scale if scale is None else scale
     settings = dict(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=512, bos_token_id=BOS, eos_token_id=eos_token_id,
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=512,
+        bos_token_id=BOS,
+        eos_token_id=eos_token_id,
         pad_token_id=PAD,
     )
     config = AutoConfig.for_model(model_type, **{**settings, **family_settings, **overrides})

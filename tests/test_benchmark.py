@@ -81,8 +81,9 @@ def test_summarize_rows():
 
 
 def test_relative_rate():
-    rows = bench.summarize([_sample("baseline", 2.0, 20), _sample("dflash", 1.0, 20, [1, 2]),
-                            _sample("builtin_dflash", 1.5, 20, [1, 2])])
+    rows = bench.summarize(
+        [_sample("baseline", 2.0, 20), _sample("dflash", 1.0, 20, [1, 2]), _sample("builtin_dflash", 1.5, 20, [1, 2])]
+    )
     (ratio,) = bench.relative_rate(rows, "dflash", "builtin_dflash")
     assert ratio["ratio"] == pytest.approx(1.5) and ratio["tau"] == 2.0
 
@@ -115,8 +116,14 @@ def test_prompt_selection_and_draft_length_parsing():
 def test_markdown_from_hand_made_report():
     samples = [_sample("baseline", 2.0, 20), _sample("dflash", 1.0, 20, [1, 4, 4, 4, 4, 4])]
     report = {
-        "settings": {"datasets": {"d": 1}, "max_new_tokens": 20, "repeats": 1, "warmup": 1, "seed": 0,
-                     "block_size": 16},
+        "settings": {
+            "datasets": {"d": 1},
+            "max_new_tokens": 20,
+            "repeats": 1,
+            "warmup": 1,
+            "seed": 0,
+            "block_size": 16,
+        },
         "environment": {"device": "cpu", "torch_threads": 1},
         "methods": {"baseline": {"label": "plain", "note": ""}, "dflash": {"label": "ours", "note": ""}},
         "summary": bench.summarize(samples),
@@ -163,13 +170,22 @@ def test_builtin_drafter_computes_our_drafter_function():
         embeds = torch.randn(1, block, hidden, generator=g, dtype=torch.float64)
         context_pos = torch.arange(start, start + new)[None]
         block_pos = torch.arange(start + new, start + new + block)[None]
-        ours = drafter(block_embeddings=embeds, context_features=context, block_position_ids=block_pos,
-                       context_position_ids=context_pos, cache=ours_cache).last_hidden_state
+        ours = drafter(
+            block_embeddings=embeds,
+            context_features=context,
+            block_position_ids=block_pos,
+            context_position_ids=context_pos,
+            cache=ours_cache,
+        ).last_hidden_state
         their_cache.set_previous_accepted_tokens(new)
         if step:
             their_cache.crop(-block)
-        theirs = builtin(noise_embeds=embeds, context_hidden_states=context,
-                         position_ids=torch.cat([context_pos, block_pos], dim=1), cache=their_cache).last_hidden_state
+        theirs = builtin(
+            noise_embeds=embeds,
+            context_hidden_states=context,
+            position_ids=torch.cat([context_pos, block_pos], dim=1),
+            cache=their_cache,
+        ).last_hidden_state
         torch.testing.assert_close(ours, theirs, rtol=1e-9, atol=1e-9)
         start += new
 
@@ -246,8 +262,25 @@ def test_cli_quick_mode(tmp_path, capsys):
     from transformers_dflash.cli import build_parser
 
     args = build_parser().parse_args(
-        ["bench", "--quick", "--threads", "1", "--num-prompts", "1", "--max-new-tokens", "8", "--temperatures", "0",
-         "--warmup", "0", "--no-progress", "--output-dir", str(tmp_path), "--methods", "dflash,prompt_lookup"]
+        [
+            "bench",
+            "--quick",
+            "--threads",
+            "1",
+            "--num-prompts",
+            "1",
+            "--max-new-tokens",
+            "8",
+            "--temperatures",
+            "0",
+            "--warmup",
+            "0",
+            "--no-progress",
+            "--output-dir",
+            str(tmp_path),
+            "--methods",
+            "dflash,prompt_lookup",
+        ]
     )
     assert args._dflash_run(args) == 0
     out = capsys.readouterr().out
@@ -285,7 +318,13 @@ def test_batch_benchmark_rows_match_plain_generate():
     drafter = make_drafter(target, block_size=4)
     prompts = [random_prompt(6 + 3 * i, seed=i)[0] for i in range(3)]
     rows = bench.run_batch_benchmark(
-        target, drafter, prompts, batch_sizes=(1, 4), max_new_tokens=12, warmup=0, adaptive_draft_length="auto",
+        target,
+        drafter,
+        prompts,
+        batch_sizes=(1, 4),
+        max_new_tokens=12,
+        warmup=0,
+        adaptive_draft_length="auto",
         progress=False,
     )
     assert [(r["batch_size"], r["method"]) for r in rows] == [
@@ -304,8 +343,23 @@ def test_cli_batch_mode(tmp_path, capsys):
     from transformers_dflash.cli import build_parser
 
     args = build_parser().parse_args(
-        ["bench", "--quick", "--threads", "1", "--num-prompts", "2", "--max-new-tokens", "6", "--warmup", "0",
-         "--no-progress", "--output-dir", str(tmp_path), "--batch-sizes", "1,3"]
+        [
+            "bench",
+            "--quick",
+            "--threads",
+            "1",
+            "--num-prompts",
+            "2",
+            "--max-new-tokens",
+            "6",
+            "--warmup",
+            "0",
+            "--no-progress",
+            "--output-dir",
+            str(tmp_path),
+            "--batch-sizes",
+            "1,3",
+        ]
     )
     assert args._dflash_run(args) == 0
     assert "batched throughput" in capsys.readouterr().out
@@ -323,13 +377,22 @@ def test_kernel_attribution_methods_match_plain_generate():
     prompts = [random_prompt(8, seed=s)[0].tolist() for s in (0, 1)]
     names = ("baseline", "baseline_skinny", "prompt_lookup_skinny", "dflash_stock_linears")
     report = bench.run_benchmark(
-        target, drafter, datasets={"tiny": prompts}, methods=names, temperatures=(0.0,), max_new_tokens=10,
-        progress=False, drafter_trained=False,
+        target,
+        drafter,
+        datasets={"tiny": prompts},
+        methods=names,
+        temperatures=(0.0,),
+        max_new_tokens=10,
+        progress=False,
+        drafter_trained=False,
     )
     # transformers 4.x's prompt lookup can return more than max_new_tokens (it overshot by 2 on one of these prompts);
     # the tokens it shares with plain generate() must still be equal.
-    overshoot = [m for m in report["mismatches"] if m["method"] == "prompt_lookup_skinny"
-                 and m["first_difference"] == m["baseline_new_tokens"] < m["new_tokens"]]
+    overshoot = [
+        m
+        for m in report["mismatches"]
+        if m["method"] == "prompt_lookup_skinny" and m["first_difference"] == m["baseline_new_tokens"] < m["new_tokens"]
+    ]
     assert not overshoot or not BUILTIN  # never on transformers 5, whose prompt lookup stops at max_new_tokens
     assert [m for m in report["mismatches"] if m not in overshoot] == []
     assert {r["method"] for r in report["summary"]} == set(names)
@@ -338,15 +401,22 @@ def test_kernel_attribution_methods_match_plain_generate():
 
     batch_prompts = [torch.tensor(p) for p in prompts]
     rows = bench.run_batch_benchmark(
-        target, drafter, batch_prompts, batch_sizes=(3,), max_new_tokens=8, warmup=0, progress=False,
+        target,
+        drafter,
+        batch_prompts,
+        batch_sizes=(3,),
+        max_new_tokens=8,
+        warmup=0,
+        progress=False,
         methods=["dflash_stock_linears", "baseline_skinny", "dflash_lookup"],
     )
     assert [r["method"] for r in rows] == ["baseline", "dflash_stock_linears", "baseline_skinny", "dflash_lookup"]
     assert all(r["rows_equal"] for r in rows) and rows[2]["tau"] == 1.0
     assert drafter.fast_cpu_linears is True and drafter.ngram_lookup is None and drafter.draft_length is None
     with pytest.raises(ValueError, match="builtin_dflash"):
-        bench.run_batch_benchmark(target, drafter, batch_prompts, batch_sizes=(1,), methods=["builtin_dflash"],
-                                  progress=False)
+        bench.run_batch_benchmark(
+            target, drafter, batch_prompts, batch_sizes=(1,), methods=["builtin_dflash"], progress=False
+        )
 
 
 def test_linear_kernel_benchmark_and_report():
@@ -370,11 +440,24 @@ def test_method_registry():
     assert bench.METHOD_LABELS == {name: spec.label for name, spec in bench.REGISTRY.items()}
     target = make_target("qwen3", dtype=torch.float32)
     methods, skipped = bench.build_methods(target, None, bench.DEFAULT_METHODS + bench.OPTIONAL_METHODS)
-    assert [m.name for m in methods] == ["baseline", "prompt_lookup", "early_exit", "baseline_skinny",
-                                         "prompt_lookup_skinny"]
+    assert [m.name for m in methods] == [
+        "baseline",
+        "prompt_lookup",
+        "early_exit",
+        "baseline_skinny",
+        "prompt_lookup_skinny",
+    ]
     assert skipped["assistant"] == "no --assistant-model given"
-    assert all(skipped[name] == "no drafter given"
-               for name in ("dflash", "dflash_adaptive", "builtin_dflash", "dflash_defaults", "dflash_lookup",
-                            "dflash_stock_linears"))
+    assert all(
+        skipped[name] == "no drafter given"
+        for name in (
+            "dflash",
+            "dflash_adaptive",
+            "builtin_dflash",
+            "dflash_defaults",
+            "dflash_lookup",
+            "dflash_stock_linears",
+        )
+    )
     with pytest.raises(ValueError, match="unknown method"):
         bench.build_methods(target, None, ["fastest"])

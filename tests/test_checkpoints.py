@@ -116,8 +116,11 @@ def _released_config(num_layers=5, block_size_inside=False, sliding=False):
 
 def _released_tensors(config):
     hidden, inter, heads, kv, head_dim = 32, 64, 4, 2, 8
-    shapes = {"fc.weight": (hidden, hidden * len(config["dflash_config"]["target_layer_ids"])),
-              "hidden_norm.weight": (hidden,), "norm.weight": (hidden,)}
+    shapes = {
+        "fc.weight": (hidden, hidden * len(config["dflash_config"]["target_layer_ids"])),
+        "hidden_norm.weight": (hidden,),
+        "norm.weight": (hidden,),
+    }
     for i in range(config["num_hidden_layers"]):
         p = f"layers.{i}."
         shapes |= {
@@ -192,8 +195,16 @@ def test_config_reads_both_rope_spellings():
 
 
 def test_from_target_copies_shapes_and_rope():
-    target = make_target("llama", rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    target = make_target(
+        "llama",
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    )
     drafter = make_drafter(target, num_layers=3, block_size=10)
     assert drafter.config.rope_parameters["rope_type"] == "llama3"
     assert drafter.config.hidden_size == 32 and drafter.config.num_key_value_heads == 2

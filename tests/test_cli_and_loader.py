@@ -85,7 +85,11 @@ def no_smollm2_package(monkeypatch):
 def test_quickstart_example_runs():
     result = subprocess.run(
         [sys.executable, str(REPO / "examples" / "quickstart.py")],
-        capture_output=True, text=True, timeout=300, env=_env(), cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+        cwd=REPO,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "identical to plain generate(): yes" in result.stdout
@@ -152,9 +156,7 @@ def test_optional_command_is_registered_from_its_module(monkeypatch):
 def test_broken_optional_module_does_not_break_the_cli(monkeypatch, tmp_path, capsys):
     (tmp_path / "dflash_broken_module.py").write_text("raise RuntimeError('boom')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(
-        cli, "COMMANDS", (("broken", "dflash_broken_module", "add_arguments", "run", "broken"),)
-    )
+    monkeypatch.setattr(cli, "COMMANDS", (("broken", "dflash_broken_module", "add_arguments", "run", "broken"),))
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     assert "unavailable" in capsys.readouterr().out
@@ -174,8 +176,14 @@ def test_run_demo_on_tiny_models(capsys):
     drafter = DFlashDraftModel.from_target(target, num_layers=1, block_size=4).eval()
     out = io.StringIO()
     result = demo.run_demo(
-        target, tokenizer, drafter, prompt="why is the sky blue", max_new_tokens=12, repeats=2,
-        drafter_description="untrained", out=out,
+        target,
+        tokenizer,
+        drafter,
+        prompt="why is the sky blue",
+        max_new_tokens=12,
+        repeats=2,
+        drafter_description="untrained",
+        out=out,
     )
     streamed = capsys.readouterr().out  # TextStreamer prints the answer to stdout
     report = out.getvalue()
@@ -210,8 +218,15 @@ def test_demo_drafter_choice(tmp_path, monkeypatch):
 
 
 def test_format_report_without_verification_steps():
-    result = demo.DemoResult(prompt_tokens=5, response="", plain_tokens=[1], plain_seconds=[0.5],
-                            dflash_tokens=[1], dflash_seconds=[0.25], acceptance_lengths=[[1]])
+    result = demo.DemoResult(
+        prompt_tokens=5,
+        response="",
+        plain_tokens=[1],
+        plain_seconds=[0.5],
+        dflash_tokens=[1],
+        dflash_seconds=[0.25],
+        acceptance_lengths=[[1]],
+    )
     assert math.isnan(result.tau) and result.speedup == pytest.approx(2.0)
     report = demo.format_report(result)
     assert "acceptance tau  : n/a" in report and "2.00x" in report
@@ -297,7 +312,7 @@ def test_real_smollm2():
     text = tokenizer.decode(input_ids[0])
     assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
     plain = model.generate(input_ids, max_new_tokens=12, do_sample=False)
-    assert "Paris" in tokenizer.decode(plain[0, input_ids.shape[1]:])
+    assert "Paris" in tokenizer.decode(plain[0, input_ids.shape[1] :])
     torch.manual_seed(0)
     drafter = DFlashDraftModel.from_target(model, num_layers=1, block_size=16).eval()
     dflash = model.generate(input_ids, assistant_model=drafter, max_new_tokens=12, do_sample=False)
@@ -353,8 +368,12 @@ def test_console_script_help_imports_neither_torch_nor_transformers(tmp_path, wo
     script = tmp_path / "dflash"
     script.write_text("import sys\nfrom transformers_dflash.cli import main\nsys.exit(main())\n")
     result = subprocess.run(
-        [sys.executable, "-X", "importtime", str(script), *words], capture_output=True, text=True, timeout=120,
-        env=_env(), cwd=REPO,
+        [sys.executable, "-X", "importtime", str(script), *words],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(),
+        cwd=REPO,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "usage: dflash" in result.stdout
@@ -387,8 +406,13 @@ def test_demo_refuses_an_empty_prompt():
 
 def test_demo_report_gives_medians_spreads_and_notes():
     result = demo.DemoResult(
-        prompt_tokens=5, response="", plain_tokens=[10, 10, 10], plain_seconds=[1.0, 2.0, 1.25],
-        dflash_tokens=[10, 10, 10], dflash_seconds=[0.5, 1.0, 0.5], busy=demo.busy_reasons(3.0, 2, 2),
+        prompt_tokens=5,
+        response="",
+        plain_tokens=[10, 10, 10],
+        plain_seconds=[1.0, 2.0, 1.25],
+        dflash_tokens=[10, 10, 10],
+        dflash_seconds=[0.5, 1.0, 0.5],
+        busy=demo.busy_reasons(3.0, 2, 2),
         threads="2 (--threads)",
     )
     assert result.plain_tokens_per_second == 8.0 and result.dflash_tokens_per_second == 20.0
@@ -398,8 +422,14 @@ def test_demo_report_gives_medians_spreads_and_notes():
     assert "2.00x, median of the interleaved pairs (min-max 2.00-2.50x)" in report
     assert "threads         : 2 (--threads)" in report
     assert "looks busy: load average 3.0 on 2 core(s)" in report and "spread widely" in report
-    steady = demo.DemoResult(prompt_tokens=5, response="", plain_tokens=[10, 10], plain_seconds=[1.0, 1.05],
-                             dflash_tokens=[10, 10], dflash_seconds=[0.5, 0.5])
+    steady = demo.DemoResult(
+        prompt_tokens=5,
+        response="",
+        plain_tokens=[10, 10],
+        plain_seconds=[1.0, 1.05],
+        dflash_tokens=[10, 10],
+        dflash_seconds=[0.5, 0.5],
+    )
     assert "Note" not in demo.format_report(steady)
     assert demo.busy_reasons(0.3, 2, 2) == [] and demo.busy_reasons(None, 2, 2) == []
     assert demo.busy_reasons(2.0, 16, 4) == [] and demo.busy_reasons(13.0, 16, 4)

@@ -19,8 +19,10 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
 )
-WORDS = ("the a cat dog sat on mat ran fast slow red blue green big small one two three four five what is why how "
-         "write explain list code python story poem sum of and or not yes no hello world please short long").split()
+WORDS = (
+    "the a cat dog sat on mat ran fast slow red blue green big small one two three four five what is why how "
+    "write explain list code python story poem sum of and or not yes no hello world please short long"
+).split()
 SPECIALS = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
 
 
@@ -46,8 +48,13 @@ def tokenizer():
     vocab = {tok: i for i, tok in enumerate(SPECIALS + ["user", "assistant", "system"] + WORDS)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>",
-                                  eos_token="<|im_end|>", additional_special_tokens=["<|im_start|>"])
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        unk_token="<unk>",
+        pad_token="<pad>",
+        eos_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
     tok.chat_template = CHAT_TEMPLATE
     return tok
 
@@ -55,10 +62,19 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def target(tokenizer):
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=None, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(config).eval()
     # Make the random model end some answers early: boost the EOS logit so that responses vary in length.
     with torch.no_grad():
@@ -67,9 +83,17 @@ def target(tokenizer):
 
 
 PROMPTS = [
-    "what is the cat", "write a short poem", "explain python code", "list one two three four five",
-    "why is the dog big", "hello world", "the cat sat on the mat and the dog ran fast", "sum of two and three",
-    "how", "please write a long story of a red cat and a blue dog", "yes or no",
+    "what is the cat",
+    "write a short poem",
+    "explain python code",
+    "list one two three four five",
+    "why is the dog big",
+    "hello world",
+    "the cat sat on the mat and the dog ran fast",
+    "sum of two and three",
+    "how",
+    "please write a long story of a red cat and a blue dog",
+    "yes or no",
 ]
 
 
@@ -111,9 +135,12 @@ def test_shard_format_and_loss_mask(target, tokenizer, tmp_path, fmt):
     for prompt, ex in zip(PROMPTS, _load_all(tmp_path)):
         ids, mask = ex["input_ids"], ex["loss_mask"]
         assert ids.dtype == torch.long and mask.dtype == torch.bool and ids.dim() == 1 and ids.shape == mask.shape
-        prompt_ids = tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                             add_generation_prompt=True, tokenize=False),
-                               add_special_tokens=False)["input_ids"]
+        prompt_ids = tokenizer(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+            ),
+            add_special_tokens=False,
+        )["input_ids"]
         n = len(prompt_ids)
         assert ids[:n].tolist() == prompt_ids  # the prompt exactly as templated, no padding
         assert not mask[:n].any() and mask[n:].all()  # loss on the response only
@@ -132,11 +159,18 @@ def test_left_padded_batches_match_one_by_one(target, tokenizer, tmp_path):
     _regen(target, tokenizer, PROMPTS, tmp_path / "batched", batch_size=5, shard_size=100)
     batched = _load_all(tmp_path / "batched")
     for prompt, ex in zip(PROMPTS, batched):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                             tokenize=False)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
         ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
-        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
-                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        out = target.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=6,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
         assert ex["input_ids"].tolist() == out[0].tolist()
 
 
@@ -291,23 +325,49 @@ def test_cli_arguments_and_jsonl(target, tokenizer, tmp_path, capsys):
 
     parser = data.add_regenerate_arguments(argparse.ArgumentParser())
     prompt_file = tmp_path / "p.jsonl"
-    prompt_file.write_text("\n".join(json.dumps(x) for x in [
-        {"prompt": "what is the cat"}, {"instruction": "write a poem", "input": "red cat"},
-        {"turns": ["hello world", "and then"]}]) + "\n")
+    prompt_file.write_text(
+        "\n".join(
+            json.dumps(x)
+            for x in [
+                {"prompt": "what is the cat"},
+                {"instruction": "write a poem", "input": "red cat"},
+                {"turns": ["hello world", "and then"]},
+            ]
+        )
+        + "\n"
+    )
     assert data.load_jsonl_prompts(prompt_file) == ["what is the cat", "write a poem\n\nred cat", "hello world"]
     model_dir = tmp_path / "tiny-target"
     target.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    args = parser.parse_args(["--target", str(model_dir), "--prompts", str(prompt_file), "--out", str(tmp_path / "o"),
-                              "--max-new-tokens", "4", "--no-progress", "--device", "cpu", "--dtype", "float32"])
+    args = parser.parse_args(
+        [
+            "--target",
+            str(model_dir),
+            "--prompts",
+            str(prompt_file),
+            "--out",
+            str(tmp_path / "o"),
+            "--max-new-tokens",
+            "4",
+            "--no-progress",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+        ]
+    )
     assert data.run_regenerate(args) == 0
     manifest = data.read_manifest(tmp_path / "o")
     assert manifest["target"] == str(model_dir) and manifest["num_prompts"] == 3 and manifest["complete"]
     assert manifest["prompt_source"].startswith("file:")
     assert "3 examples" in capsys.readouterr().out
     with pytest.raises(data.DataError, match="no such directory"):
-        data.run_regenerate(parser.parse_args(["--target", str(tmp_path / "missing"), "--prompts", str(prompt_file),
-                                               "--out", str(tmp_path / "o2")]))
+        data.run_regenerate(
+            parser.parse_args(
+                ["--target", str(tmp_path / "missing"), "--prompts", str(prompt_file), "--out", str(tmp_path / "o2")]
+            )
+        )
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "no usable field"}\n')
     with pytest.raises(data.DataError, match="prompt"):
@@ -340,20 +400,25 @@ def test_training_prompts_split_and_disjoint_from_eval():
     assert not norm_train & {data.normalize_prompt(p) for p in val}
     assert splits.stats["sources"]["composed"]["train"] == len(train)
     # contaminated prompts are dropped even when buried in a longer prompt
-    assert data.is_eval_contaminated("Please help: " + "Compose an engaging travel blog post about a recent trip to "
-                                     "Hawaii, highlighting cultural experiences and must-see attractions. Thanks")
+    assert data.is_eval_contaminated(
+        "Please help: " + "Compose an engaging travel blog post about a recent trip to "
+        "Hawaii, highlighting cultural experiences and must-see attractions. Thanks"
+    )
     assert not data.is_eval_contaminated("Write a travel blog post about a trip to Lisbon.")
 
 
-@pytest.mark.skipif(not (_has(data.MTBENCH_PACKAGE) and _has(data.HUMANEVAL_PACKAGE)),
-                    reason="evaluation prompt packages not installed")
+@pytest.mark.skipif(
+    not (_has(data.MTBENCH_PACKAGE) and _has(data.HUMANEVAL_PACKAGE)), reason="evaluation prompt packages not installed"
+)
 def test_eval_loaders_and_shipped_fingerprints():
     mt, he = data.load_mtbench_prompts(), data.load_humaneval_prompts()
     assert len(mt) == 80 and len(he) == 164 and all(mt) and all(he)
     assert mt[0].startswith("Compose an engaging travel blog post")
     assert "def has_close_elements" in he[0] and he[0].startswith("Complete the following Python function")
     assert data.load_humaneval_prompts(raw=True)[0].startswith("from typing import List")
-    shipped = json.loads((contamination.resources.files("transformers_dflash.prompts") / "eval_fingerprints.json").read_text())
+    shipped = json.loads(
+        (contamination.resources.files("transformers_dflash.prompts") / "eval_fingerprints.json").read_text()
+    )
     assert shipped["sources"] == data.compute_eval_fingerprints()["sources"]
     assert all(data.is_eval_contaminated(p) for p in mt + he + data.load_humaneval_prompts(raw=True))
 
@@ -364,8 +429,10 @@ def test_full_training_set_is_disjoint_from_eval():
     assert splits.stats["sources"]["sharegpt"]["train"] > 5000
     eval_norm = set()
     if _has(data.MTBENCH_PACKAGE) and _has(data.HUMANEVAL_PACKAGE):
-        eval_norm = {data.normalize_prompt(p) for p in data.load_mtbench_prompts() + data.load_humaneval_prompts()
-                     + data.load_humaneval_prompts(raw=True)}
+        eval_norm = {
+            data.normalize_prompt(p)
+            for p in data.load_mtbench_prompts() + data.load_humaneval_prompts() + data.load_humaneval_prompts(raw=True)
+        }
     norm_train = {data.normalize_prompt(p) for p in splits.train}
     assert not norm_train & eval_norm
     assert not norm_train & {data.normalize_prompt(p) for p in splits.validation}
@@ -390,8 +457,9 @@ def test_missing_package_error_names_pip_command(monkeypatch):
 def test_parquet_shards_load_with_datasets(target, tokenizer, tmp_path):
     datasets = pytest.importorskip("datasets")
     _regen(target, tokenizer, PROMPTS, tmp_path, batch_size=4, shard_size=4)
-    ds = datasets.load_dataset("parquet", data_files=str(tmp_path / "shard-*.parquet"), split="train",
-                               cache_dir=str(tmp_path / "hf-cache"))
+    ds = datasets.load_dataset(
+        "parquet", data_files=str(tmp_path / "shard-*.parquet"), split="train", cache_dir=str(tmp_path / "hf-cache")
+    )
     assert ds.num_rows == len(PROMPTS) and ds.column_names == ["input_ids", "loss_mask", "prompt_index"]
     assert str(ds.features["input_ids"].feature.dtype) == "int32" and ds.features["loss_mask"].feature.dtype == "bool"
     for row, ex in zip(ds, _load_all(tmp_path)):
@@ -414,8 +482,15 @@ def test_corrupt_parquet_shard_names_file_and_fix(target, tokenizer, tmp_path):
     pq.write_table(pa.table({"input_ids": pa.array([[1, 2]], type=pa.list_(pa.int32()))}), path)
     with pytest.raises(data.ShardCorruptedError, match=r"shard-00001\.parquet lacks the column 'loss_mask'"):
         data.load_shard(path)
-    pq.write_table(pa.table({"input_ids": pa.array([[1, 2]], type=pa.list_(pa.int32())),
-                             "loss_mask": pa.array([[False]], type=pa.list_(pa.bool_()))}), path)
+    pq.write_table(
+        pa.table(
+            {
+                "input_ids": pa.array([[1, 2]], type=pa.list_(pa.int32())),
+                "loss_mask": pa.array([[False]], type=pa.list_(pa.bool_())),
+            }
+        ),
+        path,
+    )
     with pytest.raises(data.ShardCorruptedError, match="malformed"):
         data.load_shard(path)
     # regenerate refuses to resume over it (it has no record of this file), and works once it is deleted
@@ -452,15 +527,34 @@ def test_engine_arguments_reach_the_engine(target, tokenizer, tmp_path):
     import argparse
 
     parser = data.add_regenerate_arguments(argparse.ArgumentParser())
-    args = parser.parse_args(["--target", "x", "--out", str(tmp_path), "--engine", "openai", "--concurrency", "3",
-                              "--max-retries", "1", "--server-url", "http://127.0.0.1:9/v1"])
+    args = parser.parse_args(
+        [
+            "--target",
+            "x",
+            "--out",
+            str(tmp_path),
+            "--engine",
+            "openai",
+            "--concurrency",
+            "3",
+            "--max-retries",
+            "1",
+            "--server-url",
+            "http://127.0.0.1:9/v1",
+        ]
+    )
     engine = data.build_engine(args, target, tokenizer, None)
     assert (engine.name, engine.url, engine.concurrency, engine.max_retries) == ("openai", "http://127.0.0.1:9", 3, 1)
     with pytest.raises(data.DataError, match="--server-url"):
-        data.build_engine(parser.parse_args(["--target", "x", "--out", "o", "--engine", "openai"]), target, tokenizer,
-                          None)
+        data.build_engine(
+            parser.parse_args(["--target", "x", "--out", "o", "--engine", "openai"]), target, tokenizer, None
+        )
     with pytest.raises(data.DataError, match="--do-sample works with --engine transformers only"):
-        data.build_engine(parser.parse_args(["--target", "x", "--out", "o", "--engine", "ctranslate2", "--do-sample"]),
-                          target, tokenizer, None)
+        data.build_engine(
+            parser.parse_args(["--target", "x", "--out", "o", "--engine", "ctranslate2", "--do-sample"]),
+            target,
+            tokenizer,
+            None,
+        )
     engine = data.build_engine(parser.parse_args(["--target", "x", "--out", "o"]), target, tokenizer, None)
     assert engine.name == "transformers" and engine.batch_size == 16

@@ -4,11 +4,10 @@ import json
 
 import pytest
 import torch
+from conftest import VOCAB, make_drafter, make_target, random_prompt
 from torch.nn import functional as F
 
-from conftest import VOCAB, make_drafter, make_target, random_prompt
-from transformers_dflash import DFlashDraftModel
-from transformers_dflash import DFlashCandidateGenerator
+from transformers_dflash import DFlashCandidateGenerator, DFlashDraftModel
 from transformers_dflash.training import (
     TrainingConfig,
     cache_context_features,
@@ -143,7 +142,10 @@ def test_loss_with_reduced_vocabulary_matches_restricted_cross_entropy():
 
 def test_draft_vocabulary_takes_the_most_frequent_response_tokens(tmp_path):
     examples = [
-        {"input_ids": torch.tensor([50, 50, 50, 7, 7, 9, 9, 9]), "loss_mask": torch.tensor([0, 0, 0, 1, 1, 1, 1, 1]).bool()},
+        {
+            "input_ids": torch.tensor([50, 50, 50, 7, 7, 9, 9, 9]),
+            "loss_mask": torch.tensor([0, 0, 0, 1, 1, 1, 1, 1]).bool(),
+        },
         {"input_ids": torch.tensor([11, 11, 7, 12]), "loss_mask": torch.tensor([0, 1, 1, 1]).bool()},
     ]
     torch.save(examples, tmp_path / "shard-00000.pt")
@@ -161,15 +163,19 @@ def test_cached_features_train_offline(tmp_path):
     data.mkdir()
     prompts = torch.randint(3, VOCAB, (12, 6), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        sequences = target.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=20,
-                                    min_new_tokens=20, do_sample=False)
-    examples = [{"input_ids": s[: 26 - i % 4], "loss_mask": torch.arange(26 - i % 4) >= 6} for i, s in enumerate(sequences)]
+        sequences = target.generate(
+            prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=20, min_new_tokens=20, do_sample=False
+        )
+    examples = [
+        {"input_ids": s[: 26 - i % 4], "loss_mask": torch.arange(26 - i % 4) >= 6} for i, s in enumerate(sequences)
+    ]
     torch.save(examples[:7], data / "shard-00000.pt")
     torch.save(examples[7:], data / "shard-00001.pt")
 
     layer_ids = [0, 2]
-    cached = cache_context_features(target, data, tmp_path / "features", layer_ids, batch_size=5,
-                                    dtype=torch.float32, progress=False)
+    cached = cache_context_features(
+        target, data, tmp_path / "features", layer_ids, batch_size=5, dtype=torch.float32, progress=False
+    )
     records = list(iter_training_examples(cached))
     assert len(records) == len(examples)
     for record, example in zip(records, examples):
@@ -184,9 +190,22 @@ def test_cached_features_train_offline(tmp_path):
         check_cached_features(cached, [1, 3])
 
     config = TrainingConfig(
-        data=str(cached), output=str(tmp_path / "out"), num_layers=1, block_size=4, target_layer_ids=layer_ids,
-        draft_vocab_size=40, num_anchors=4, max_length=64, batch_size=2, max_steps=4, lr=1e-3, save_every=100,
-        eval_every=100, num_val_prompts=2, val_max_new_tokens=8, log_every=1,
+        data=str(cached),
+        output=str(tmp_path / "out"),
+        num_layers=1,
+        block_size=4,
+        target_layer_ids=layer_ids,
+        draft_vocab_size=40,
+        num_anchors=4,
+        max_length=64,
+        batch_size=2,
+        max_steps=4,
+        lr=1e-3,
+        save_every=100,
+        eval_every=100,
+        num_val_prompts=2,
+        val_max_new_tokens=8,
+        log_every=1,
     )
     summary = train(config, target=target)
     assert summary["step"] == 4 and summary["val_acceptance_length"] >= 1.0

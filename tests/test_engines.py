@@ -37,9 +37,15 @@ def greedy_alone(model, tok, prompt_ids, max_new_tokens=MAX_NEW):
     """The reference: the target decoding one prompt on its own (no padding), up to and including EOS."""
     ids = torch.tensor([prompt_ids])
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    return engines.response_ids(out[0, len(prompt_ids):].tolist(), [tok.eos_token_id])
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+    return engines.response_ids(out[0, len(prompt_ids) :].tolist(), [tok.eos_token_id])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -55,8 +61,12 @@ def test_length_buckets_never_pad_short_prompts_to_long_ones():
         longest = max(lengths[i] for i in batch)
         assert len(batch) <= 4
         assert all(longest - lengths[i] <= 0.1 * (longest + 256) for i in batch)
-    assert [sorted(lengths[i] for i in b) for b in buckets] == [[790, 800], [300, 310], [33, 35, 40, 45],
-                                                                  [29, 30, 31, 32]]
+    assert [sorted(lengths[i] for i in b) for b in buckets] == [
+        [790, 800],
+        [300, 310],
+        [33, 35, 40, 45],
+        [29, 30, 31, 32],
+    ]
     # no tolerance for padding: only equal lengths share a batch
     assert engines.length_buckets([5, 6, 5], 8, 0, pad_fraction=0.0) == [[1], [0, 2]]
     with pytest.raises(ValueError, match="batch_size"):
@@ -105,10 +115,19 @@ def peaked_target(tokenizer):
     """A tiny Llama with larger weights than the default init: clear argmax winners, so two float32 implementations
     (torch and CTranslate2) make the same greedy choices."""
     torch.manual_seed(3)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=None, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -123,8 +142,9 @@ def test_ctranslate2_engine_matches_target_and_caches(peaked_target, tokenizer, 
     from ctranslate2 import converters
 
     eos = [tokenizer.eos_token_id]
-    engine = engines.CTranslate2Engine.from_transformers(peaked_target, tokenizer, eos, cache_dir=tmp_path,
-                                                         compute_type="float32", batch_size=4, threads=1)
+    engine = engines.CTranslate2Engine.from_transformers(
+        peaked_target, tokenizer, eos, cache_dir=tmp_path, compute_type="float32", batch_size=4, threads=1
+    )
     prompts = [chat_ids(tokenizer, p) for p in PROMPTS]
     out = engine.generate(prompts, MAX_NEW)
     reference = [greedy_alone(peaked_target, tokenizer, p) for p in prompts]
@@ -137,8 +157,9 @@ def test_ctranslate2_engine_matches_target_and_caches(peaked_target, tokenizer, 
         raise AssertionError("converted again")
 
     monkeypatch.setattr(converters.TransformersConverter, "convert", no_conversion)
-    again = engines.CTranslate2Engine.from_transformers(peaked_target, tokenizer, eos, cache_dir=tmp_path,
-                                                        compute_type="int8", batch_size=8, threads=1)
+    again = engines.CTranslate2Engine.from_transformers(
+        peaked_target, tokenizer, eos, cache_dir=tmp_path, compute_type="int8", batch_size=8, threads=1
+    )
     assert again.model_dir == engine.model_dir
     int8 = again.generate(prompts, MAX_NEW)
     assert all(1 <= len(r) <= MAX_NEW and all(0 <= t < len(tokenizer) for t in r) for r in int8)
@@ -158,11 +179,13 @@ def test_ctranslate2_engine_matches_target_and_caches(peaked_target, tokenizer, 
 def test_regenerate_with_ctranslate2_and_engine_change_refused(peaked_target, tokenizer, tmp_path):
     pytest.importorskip("ctranslate2")
     eos = [tokenizer.eos_token_id]
-    engine = engines.CTranslate2Engine.from_transformers(peaked_target, tokenizer, eos, cache_dir=tmp_path / "cache",
-                                                         compute_type="float32", batch_size=4, threads=1)
+    engine = engines.CTranslate2Engine.from_transformers(
+        peaked_target, tokenizer, eos, cache_dir=tmp_path / "cache", compute_type="float32", batch_size=4, threads=1
+    )
     out = tmp_path / "out"
-    manifest = data.regenerate(peaked_target, tokenizer, PROMPTS, out, max_new_tokens=MAX_NEW, shard_size=4,
-                               progress=False, engine=engine)
+    manifest = data.regenerate(
+        peaked_target, tokenizer, PROMPTS, out, max_new_tokens=MAX_NEW, shard_size=4, progress=False, engine=engine
+    )
     assert manifest["complete"] and manifest["settings"]["engine"]["name"] == "ctranslate2"
     for prompt, ex in zip(PROMPTS, _load_all(out)):
         ids = chat_ids(tokenizer, prompt)
@@ -171,8 +194,9 @@ def test_regenerate_with_ctranslate2_and_engine_change_refused(peaked_target, to
         data.regenerate(peaked_target, tokenizer, PROMPTS, out, max_new_tokens=MAX_NEW, shard_size=4, progress=False)
     int8 = engines.CTranslate2Engine(engine.model_dir, tokenizer, eos, compute_type="int8", model_key=engine.model_key)
     with pytest.raises(data.ResumeMismatchError, match="int8"):
-        data.regenerate(peaked_target, tokenizer, PROMPTS, out, max_new_tokens=MAX_NEW, shard_size=4, progress=False,
-                        engine=int8)
+        data.regenerate(
+            peaked_target, tokenizer, PROMPTS, out, max_new_tokens=MAX_NEW, shard_size=4, progress=False, engine=int8
+        )
 
 
 def test_ctranslate2_missing_gives_install_hint(monkeypatch, tokenizer, tmp_path):
@@ -201,8 +225,14 @@ class TinyServer:
     get an HTTP 500; `token_ids=False` answers with text only (the stop token left out, like real servers)."""
 
     def __init__(self, model, tok, *, fail=None, token_ids=True, tokenize=True, name="tiny"):
-        self.model, self.tok, self.fail, self.token_ids, self.tokenize, self.name = (model, tok, fail, token_ids,
-                                                                                     tokenize, name)
+        self.model, self.tok, self.fail, self.token_ids, self.tokenize, self.name = (
+            model,
+            tok,
+            fail,
+            token_ids,
+            tokenize,
+            name,
+        )
         self.completions = 0
         self.failures = 0
         self.lock = threading.Lock()
@@ -278,9 +308,17 @@ class TinyServer:
 def openai_engine(url, tok, **kwargs):
     waits = []
     kwargs.setdefault("max_retries", 3)
-    engine = engines.OpenAIEngine(url, tok, [tok.eos_token_id], concurrency=4, backoff=0.5, sleep=waits.append,
-                                  chat_probe_ids=chat_ids(tok, engines.PROBE_PROMPT),
-                                  chat_probe_messages=[{"role": "user", "content": engines.PROBE_PROMPT}], **kwargs)
+    engine = engines.OpenAIEngine(
+        url,
+        tok,
+        [tok.eos_token_id],
+        concurrency=4,
+        backoff=0.5,
+        sleep=waits.append,
+        chat_probe_ids=chat_ids(tok, engines.PROBE_PROMPT),
+        chat_probe_messages=[{"role": "user", "content": engines.PROBE_PROMPT}],
+        **kwargs,
+    )
     return engine, waits
 
 
@@ -307,10 +345,22 @@ def test_openai_regenerate_matches_transformers_engine(target, tokenizer, tmp_pa
     data.regenerate(target, tokenizer, PROMPTS, tmp_path / "hf", max_new_tokens=MAX_NEW, shard_size=4, progress=False)
     with TinyServer(target, tokenizer) as server:
         engine, _ = openai_engine(server.url, tokenizer)
-        manifest = data.regenerate(target, tokenizer, PROMPTS, tmp_path / "api", max_new_tokens=MAX_NEW,
-                                   shard_size=4, progress=False, engine=engine)
-    assert manifest["complete"] and manifest["settings"]["engine"] == {"name": "openai", "model": "tiny",
-                                                                        "prompt_format": "ids", "temperature": 0.0}
+        manifest = data.regenerate(
+            target,
+            tokenizer,
+            PROMPTS,
+            tmp_path / "api",
+            max_new_tokens=MAX_NEW,
+            shard_size=4,
+            progress=False,
+            engine=engine,
+        )
+    assert manifest["complete"] and manifest["settings"]["engine"] == {
+        "name": "openai",
+        "model": "tiny",
+        "prompt_format": "ids",
+        "temperature": 0.0,
+    }
     assert manifest["engine_runtime"]["url"] == server.url
     for a, b in zip(_load_all(tmp_path / "hf"), _load_all(tmp_path / "api")):
         assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
@@ -348,17 +398,22 @@ def test_openai_always_failing_keeps_finished_shards(target, tokenizer, tmp_path
     out = tmp_path / "out"
     with TinyServer(target, tokenizer, fail=lambda body: body["prompt"] in second_shard) as server:
         engine, waits = openai_engine(server.url, tokenizer, max_retries=2)
-        with pytest.raises(engines.ServerError, match=r"(?s)HTTP 500.*Shard 1 was not written.*1 shard\(s\) finished.*"
-                                                      r"rerun"):
-            data.regenerate(target, tokenizer, PROMPTS, out, max_new_tokens=MAX_NEW, shard_size=4, progress=False,
-                            engine=engine)
+        with pytest.raises(
+            engines.ServerError,
+            match=r"(?s)HTTP 500.*Shard 1 was not written.*1 shard\(s\) finished.*"
+            r"rerun",
+        ):
+            data.regenerate(
+                target, tokenizer, PROMPTS, out, max_new_tokens=MAX_NEW, shard_size=4, progress=False, engine=engine
+            )
     assert [p.name for p in data.list_shards(out)] == ["shard-00000.parquet"]
     assert not list(out.glob("*.tmp")) and set(waits) == {0.5, 1.0}
     first = (out / "shard-00000.parquet").read_bytes()
     with TinyServer(target, tokenizer) as server:  # the server is back: the rerun resumes
         engine, _ = openai_engine(server.url, tokenizer)
-        manifest = data.regenerate(target, tokenizer, PROMPTS, out, max_new_tokens=MAX_NEW, shard_size=4,
-                                   progress=False, engine=engine)
+        manifest = data.regenerate(
+            target, tokenizer, PROMPTS, out, max_new_tokens=MAX_NEW, shard_size=4, progress=False, engine=engine
+        )
     assert manifest["complete"] and (out / "shard-00000.parquet").read_bytes() == first
     assert server.completions == len(PROMPTS) - 4 + 2  # shards 1 and 2, and the two probes
 
@@ -368,8 +423,13 @@ def _other_tokenizer():
     vocab = {tok: i for i, tok in enumerate(SPECIALS + ["user", "assistant", "system"] + WORDS[::-1])}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>",
-                                  eos_token="<|im_end|>", additional_special_tokens=["<|im_start|>"])
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        unk_token="<unk>",
+        pad_token="<pad>",
+        eos_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
     tok.chat_template = CHAT_TEMPLATE
     return tok
 
@@ -378,8 +438,7 @@ def test_openai_server_with_other_tokenizer_is_refused(target, tokenizer, tmp_pa
     with TinyServer(target, _other_tokenizer()) as server:
         engine, _ = openai_engine(server.url, tokenizer)
         with pytest.raises(engines.TokenizerMismatchError, match="does not tokenize like the target.*Fix"):
-            data.regenerate(target, tokenizer, PROMPTS, tmp_path, max_new_tokens=MAX_NEW, progress=False,
-                            engine=engine)
+            data.regenerate(target, tokenizer, PROMPTS, tmp_path, max_new_tokens=MAX_NEW, progress=False, engine=engine)
         # without /tokenize, the prompt token count it reports gives it away
         server.tokenize = False
         engine, _ = openai_engine(server.url, tokenizer)
@@ -389,9 +448,13 @@ def test_openai_server_with_other_tokenizer_is_refused(target, tokenizer, tmp_pa
 
 
 def test_openai_server_with_other_chat_template_is_refused(target, tokenizer):
-    other = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, unk_token="<unk>",
-                                    pad_token="<pad>", eos_token="<|im_end|>",
-                                    additional_special_tokens=["<|im_start|>"])
+    other = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer.backend_tokenizer,
+        unk_token="<unk>",
+        pad_token="<pad>",
+        eos_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
     other.chat_template = CHAT_TEMPLATE.replace("assistant ", "assistant system ")
     with TinyServer(target, other) as server:
         engine, _ = openai_engine(server.url, tokenizer)
@@ -415,17 +478,44 @@ def test_cli_regenerate_with_each_engine(peaked_target, tokenizer, tmp_path):
     prompt_file = tmp_path / "p.jsonl"
     prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:5]))
     parser = data.add_regenerate_arguments(argparse.ArgumentParser())
-    common = ["--target", str(model_dir), "--prompts", str(prompt_file), "--max-new-tokens", str(MAX_NEW),
-              "--no-progress", "--device", "cpu", "--dtype", "float32", "--shard-size", "2"]
+    common = [
+        "--target",
+        str(model_dir),
+        "--prompts",
+        str(prompt_file),
+        "--max-new-tokens",
+        str(MAX_NEW),
+        "--no-progress",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--shard-size",
+        "2",
+    ]
     data.run_regenerate(parser.parse_args(common + ["--out", str(tmp_path / "hf")]))
     expected = _load_all(tmp_path / "hf")
     with TinyServer(peaked_target, tokenizer) as server:  # the client loads only the target's config here
-        data.run_regenerate(parser.parse_args(common + ["--out", str(tmp_path / "openai"), "--engine", "openai",
-                                                        "--server-url", server.url]))
+        data.run_regenerate(
+            parser.parse_args(
+                common + ["--out", str(tmp_path / "openai"), "--engine", "openai", "--server-url", server.url]
+            )
+        )
     names = ["openai"]
     if importlib.util.find_spec("ctranslate2") is not None:
-        data.run_regenerate(parser.parse_args(common + ["--out", str(tmp_path / "ctranslate2"), "--engine",
-                                                        "ctranslate2", "--ct2-cache-dir", str(tmp_path / "ct2")]))
+        data.run_regenerate(
+            parser.parse_args(
+                common
+                + [
+                    "--out",
+                    str(tmp_path / "ctranslate2"),
+                    "--engine",
+                    "ctranslate2",
+                    "--ct2-cache-dir",
+                    str(tmp_path / "ct2"),
+                ]
+            )
+        )
         names.append("ctranslate2")
     for name in names:
         manifest = data.read_manifest(tmp_path / name)

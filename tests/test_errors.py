@@ -1,7 +1,6 @@
 """Bad input gets a clear ValueError that says what is wrong, never a stack trace from inside transformers."""
 
 import pytest
-import torch
 from conftest import make_drafter, make_target, random_prompt
 
 from transformers_dflash import DFlashConfig, DFlashDraftModel
@@ -81,8 +80,11 @@ def test_encoder_decoder_and_headless_targets():
     t5 = T5ForConditionalGeneration(T5Config(vocab_size=32, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2))
     with pytest.raises(ValueError, match="decoder-only"):
         DFlashDraftModel.from_target(t5)
-    headless = AutoModel.from_config(AutoConfig.for_model("llama", vocab_size=32, hidden_size=16, intermediate_size=32,
-                                                          num_hidden_layers=1, num_attention_heads=2))
+    headless = AutoModel.from_config(
+        AutoConfig.for_model(
+            "llama", vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+        )
+    )
     with pytest.raises(ValueError, match="LM head"):
         DFlashDraftModel.from_target(headless)
 
@@ -95,8 +97,16 @@ def test_bad_configs():
     with pytest.raises(ValueError, match="one entry"):
         DFlashConfig(num_hidden_layers=2, layer_types=["full_attention"])
     with pytest.raises(ValueError, match="rope_type='spiral' is not one of transformers' RoPE types"):
-        DFlashDraftModel(DFlashConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                                      num_key_value_heads=2, rope_parameters={"rope_type": "spiral", "factor": 4.0}))
+        DFlashDraftModel(
+            DFlashConfig(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                rope_parameters={"rope_type": "spiral", "factor": 4.0},
+            )
+        )
 
 
 def test_inputs_embeds_are_refused(target):

@@ -112,6 +112,7 @@ def test_prefill_groups_rule():
 
 def test_grouped_prefill_lays_out_the_padded_prefills_cache():
     from transformers import DynamicCache
+
     from transformers_dflash import DFlashCandidateGenerator
     from transformers_dflash.prefill import grouped_prefill
     from transformers_dflash.target_model import cache_keyword
@@ -158,7 +159,9 @@ def test_mask_shape_mismatch_is_refused_clearly():
     drafter = make_drafter(target)
     ids = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8]])
     with pytest.raises(ValueError, match="attention_mask has shape"):
-        target.generate(ids, attention_mask=torch.ones(2, 3, dtype=torch.long), assistant_model=drafter, max_new_tokens=4)
+        target.generate(
+            ids, attention_mask=torch.ones(2, 3, dtype=torch.long), assistant_model=drafter, max_new_tokens=4
+        )
 
 
 @pytest.mark.parametrize("draft_length", [0.0, 0.3, 0.9, "auto"])
@@ -315,20 +318,23 @@ def test_ngram_lookup_continuation_and_bad_setting():
     assert lookup._continuation(tokens, 3).tolist() == [9, 5, 6]  # the most recent earlier "5 6" was followed by 9
     assert lookup._continuation(torch.tensor([1, 2, 3, 4]), 3) is None
     assert lookup._continuation(torch.tensor([4, 1, 2, 9, 2]), 3).tolist() == [9, 2]  # falls back to 1-gram "2"
-    drafts, confidence = lookup.merge(torch.stack([tokens, tokens]), [1], [9, 9], torch.zeros(1, 0, dtype=torch.long),
-                                      None, 3)
+    drafts, confidence = lookup.merge(
+        torch.stack([tokens, tokens]), [1], [9, 9], torch.zeros(1, 0, dtype=torch.long), None, 3
+    )
     assert drafts.tolist() == [[9, 5, 6]] and confidence.tolist() == [[0.5, 0.5, 0.5]]
     lookup.record([1], 3)  # first copy accepted, second rejected
     assert lookup.hits[:3] == [1, 0, 0] and lookup.tries[:3] == [1, 1, 0]
-    _, confidence = lookup.merge(torch.stack([tokens, tokens]), [1], [9, 9], torch.zeros(1, 0, dtype=torch.long),
-                                 None, 3)
+    _, confidence = lookup.merge(
+        torch.stack([tokens, tokens]), [1], [9, 9], torch.zeros(1, 0, dtype=torch.long), None, 3
+    )
     assert confidence[0].tolist() == pytest.approx([2 / 3, 4 / 9, 4 / 9])  # an untried depth inherits the one before
     loop = NgramLookup(2, block_size=8)
     for _ in range(10):  # a repetition loop: every copy verified so far (depths 0-1) was accepted
         loop.copied = [2]
         loop.record([2], 2)
-    _, confidence = loop.merge(torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2]]), [0], [11],
-                               torch.zeros(1, 0, dtype=torch.long), None, 7)
+    _, confidence = loop.merge(
+        torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2]]), [0], [11], torch.zeros(1, 0, dtype=torch.long), None, 7
+    )
     assert bool((confidence[0, :3] > 0.9).all())  # copies of depth 0-2 ("3 1 2") look as good as the tried ones,
     assert loop.acceptance[6] > 0.9  # and so would deeper ones (a fixed 1/2 prior made depth 6 worth 1/2 ** 7)
     target = make_target("llama", dtype=torch.float32, eos_token_id=None)

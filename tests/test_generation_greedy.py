@@ -29,7 +29,9 @@ def _cases():
     return cases
 
 
-@pytest.mark.parametrize("case", _cases(), ids=lambda c: "{arch}-{attn}-B{block_size}-L{prompt_len}-N{max_new_tokens}".format(**c))
+@pytest.mark.parametrize(
+    "case", _cases(), ids=lambda c: "{arch}-{attn}-B{block_size}-L{prompt_len}-N{max_new_tokens}".format(**c)
+)
 def test_greedy_equals_plain_generate(case, oracle):
     target = make_target(case["arch"], case["attn"], seed=case["seed"], eos_token_id=EOS if case["eos"] else None)
     drafter = make_drafter(target, block_size=case["block_size"], seed=case["seed"] + 100)
@@ -117,8 +119,14 @@ def test_return_dict_scores_and_logits(oracle):
     target = make_target("llama", eos_token_id=None)
     drafter = make_drafter(target, block_size=4)
     prompt = random_prompt(5, seed=2)
-    kwargs = dict(max_new_tokens=13, do_sample=False, return_dict_in_generate=True, output_scores=True,
-                  output_logits=True, repetition_penalty=1.2)
+    kwargs = dict(
+        max_new_tokens=13,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_scores=True,
+        output_logits=True,
+        repetition_penalty=1.2,
+    )
     expected = target.generate(prompt, **kwargs)
     oracle([expected.sequences[0]], corrupt=0.3)
     out = target.generate(prompt, assistant_model=drafter, **kwargs)
@@ -162,7 +170,9 @@ def test_float32_and_untrained_drafter_never_change_output():
     for seed in range(3):
         prompt = random_prompt(9 + seed, seed=seed)
         expected = target.generate(prompt, max_new_tokens=35, do_sample=False)
-        assert torch.equal(target.generate(prompt, max_new_tokens=35, do_sample=False, assistant_model=drafter), expected)
+        assert torch.equal(
+            target.generate(prompt, max_new_tokens=35, do_sample=False, assistant_model=drafter), expected
+        )
 
 
 def test_drafter_in_another_dtype_works_and_is_left_alone():
@@ -191,7 +201,9 @@ def test_speculation_type_dflash_call_convention():
     drafter = make_drafter(target)
     prompt = random_prompt(5, seed=1)
     expected = target.generate(prompt, max_new_tokens=12, do_sample=False)
-    out = target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=drafter, speculation_type="dflash")
+    out = target.generate(
+        prompt, max_new_tokens=12, do_sample=False, assistant_model=drafter, speculation_type="dflash"
+    )
     assert torch.equal(out, expected)
 
 
@@ -239,7 +251,9 @@ def test_candidate_generator_protocol_in_transformers_own_loop(monkeypatch, orac
     prompt = random_prompt(6, seed=8)
     expected = target.generate(prompt, max_new_tokens=23, do_sample=False)
     oracle([expected[0]], corrupt=0.3)
-    monkeypatch.setattr(GenerationMixin, "_assisted_decoding", GenerationMixin._dflash_original_methods["_assisted_decoding"])
+    monkeypatch.setattr(
+        GenerationMixin, "_assisted_decoding", GenerationMixin._dflash_original_methods["_assisted_decoding"]
+    )
     monkeypatch.setattr(
         GenerationMixin,
         "_get_candidate_generator",

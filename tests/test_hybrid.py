@@ -163,8 +163,13 @@ def test_sampling_matches_the_target_distribution(name, proposals, monkeypatch):
     counts, accepted = {}, []
     for _ in range(SAMPLES // BATCH):
         out = target.generate(
-            prompt.repeat(BATCH, 1), do_sample=True, temperature=TEMPERATURE, top_k=TOP_K, max_new_tokens=NEW,
-            pad_token_id=0, assistant_model=drafter,
+            prompt.repeat(BATCH, 1),
+            do_sample=True,
+            temperature=TEMPERATURE,
+            top_k=TOP_K,
+            max_new_tokens=NEW,
+            pad_token_id=0,
+            assistant_model=drafter,
         )
         for row in out[:, prompt.shape[1] :].tolist():
             counts[tuple(row)] = counts.get(tuple(row), 0) + 1
@@ -184,9 +189,21 @@ def test_a_mamba_target_that_does_not_continue_its_state_is_refused():
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(
-        "bamba", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1,
-        mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16,
+        "bamba",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_layer_indices=[1],
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_n_groups=1,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=16,
     )
     target = AutoModelForCausalLM.from_config(config).eval()
     drafter = make_drafter(target)
@@ -222,8 +239,12 @@ def test_an_unchecked_hybrid_model_type_is_refused(monkeypatch):
 def test_a_static_cache_is_refused_for_hybrids():
     target = make_family_target(MAIN[0])
     with pytest.raises(ValueError, match="cache_implementation='static' cannot be cropped"):
-        target.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, assistant_model=make_drafter(target),
-                        cache_implementation="static")
+        target.generate(
+            torch.tensor([[5, 6, 7]]),
+            max_new_tokens=4,
+            assistant_model=make_drafter(target),
+            cache_implementation="static",
+        )
 
 
 def test_the_stateful_flag_is_restored_after_generate():
@@ -240,13 +261,38 @@ def test_the_stateful_flag_is_restored_after_generate():
 def _qwen3_5_vl():
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    text = dict(FAMILIES["qwen3_5"][1], vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512, bos_token_id=1,
-                eos_token_id=None, pad_token_id=PAD)
-    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
-                  temporal_patch_size=1, spatial_merge_size=1)
-    config = Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=90, video_token_id=91,
-                           vision_start_token_id=92, vision_end_token_id=93)
+    text = dict(
+        FAMILIES["qwen3_5"][1],
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=None,
+        pad_token_id=PAD,
+    )
+    vision = dict(
+        depth=1,
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=2,
+        out_hidden_size=32,
+        patch_size=4,
+        temporal_patch_size=1,
+        spatial_merge_size=1,
+    )
+    config = Qwen3_5Config(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=90,
+        video_token_id=91,
+        vision_start_token_id=92,
+        vision_end_token_id=93,
+    )
     torch.manual_seed(0)
     model = Qwen3_5ForConditionalGeneration(config).to(torch.float64).eval()
     with torch.no_grad():
@@ -268,8 +314,13 @@ def test_qwen3_5_vision_language_model_with_text_prompts(oracle):
     assert any(n > 1 for n in drafter.last_acceptance_lengths)
     # image inputs would not reach the target through DFlash decoding: refused, never silently ignored
     with pytest.raises(ValueError, match=r"text prompts only.*\['image_grid_thw', 'pixel_values'\]"):
-        target.generate(prompt, max_new_tokens=4, assistant_model=drafter, pixel_values=torch.zeros(4, 48),
-                        image_grid_thw=torch.tensor([[1, 2, 2]]))
+        target.generate(
+            prompt,
+            max_new_tokens=4,
+            assistant_model=drafter,
+            pixel_values=torch.zeros(4, 48),
+            image_grid_thw=torch.tensor([[1, 2, 2]]),
+        )
 
 
 @pytest.mark.skipif(MAJOR < 5, reason="Qwen3.5 / 3.6 targets exist in transformers >= 5 only")

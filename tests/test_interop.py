@@ -42,20 +42,47 @@ CODE_FILES = {path.name for path in code_files()}
 
 # shared/docs/dflash-spec.md, "Released checkpoint config.json" (Qwen3-8B drafter): the exact key set.
 RELEASED_KEYS = {
-    "architectures": list, "auto_map": dict, "model_type": str, "block_size": int, "dflash_config": dict,
-    "num_target_layers": int, "hidden_size": int, "intermediate_size": int, "num_hidden_layers": int,
-    "num_attention_heads": int, "num_key_value_heads": int, "head_dim": int, "hidden_act": str, "rms_norm_eps": float,
-    "rope_theta": (int, float), "rope_scaling": (dict, type(None)), "max_position_embeddings": int,
-    "attention_bias": bool, "attention_dropout": float, "layer_types": list, "sliding_window": (int, type(None)),
-    "use_sliding_window": bool, "max_window_layers": int, "tie_word_embeddings": bool, "vocab_size": int,
-    "bos_token_id": (int, type(None)), "eos_token_id": (int, list, type(None)), "dtype": str,
+    "architectures": list,
+    "auto_map": dict,
+    "model_type": str,
+    "block_size": int,
+    "dflash_config": dict,
+    "num_target_layers": int,
+    "hidden_size": int,
+    "intermediate_size": int,
+    "num_hidden_layers": int,
+    "num_attention_heads": int,
+    "num_key_value_heads": int,
+    "head_dim": int,
+    "hidden_act": str,
+    "rms_norm_eps": float,
+    "rope_theta": (int, float),
+    "rope_scaling": (dict, type(None)),
+    "max_position_embeddings": int,
+    "attention_bias": bool,
+    "attention_dropout": float,
+    "layer_types": list,
+    "sliding_window": (int, type(None)),
+    "use_sliding_window": bool,
+    "max_window_layers": int,
+    "tie_word_embeddings": bool,
+    "vocab_size": int,
+    "bos_token_id": (int, type(None)),
+    "eos_token_id": (int, list, type(None)),
+    "dtype": str,
     "initializer_range": float,
 }
 # vllm-project/speculators: src/speculators/config.py + src/speculators/models/dflash/config.py
 SPECULATORS_KEYS = {
-    "speculators_model_type": str, "speculators_version": str, "speculators_config": dict,
-    "transformer_layer_config": dict, "draft_vocab_size": int, "block_size": int, "target_hidden_size": int,
-    "aux_hidden_state_layer_ids": list, "mask_token_id": int,
+    "speculators_model_type": str,
+    "speculators_version": str,
+    "speculators_config": dict,
+    "transformer_layer_config": dict,
+    "draft_vocab_size": int,
+    "block_size": int,
+    "target_hidden_size": int,
+    "aux_hidden_state_layer_ids": list,
+    "mask_token_id": int,
 }
 
 
@@ -96,9 +123,24 @@ def assert_same_tensors(a, b):
 
 
 def assert_same_config(a, b):
-    for key in ("block_size", "mask_token_id", "target_layer_ids", "num_target_layers", "layer_types", "sliding_window",
-                "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "head_dim", "hidden_act", "rms_norm_eps", "max_position_embeddings", "vocab_size"):
+    for key in (
+        "block_size",
+        "mask_token_id",
+        "target_layer_ids",
+        "num_target_layers",
+        "layer_types",
+        "sliding_window",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "hidden_act",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "vocab_size",
+    ):
         assert getattr(a.config, key) == getattr(b.config, key), key
     assert a.config.rope_parameters == b.config.rope_parameters
 
@@ -162,8 +204,20 @@ def check_code_files(folder: Path):
                 func = node.value.func
                 assert getattr(func, "attr", getattr(func, "id", None)) in allowed_calls, (path.name, ast.dump(func))
             else:
-                assert isinstance(node, (ast.Expr, ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef,
-                                         ast.Assign, ast.AnnAssign, ast.Try, ast.If)), (path.name, type(node))
+                assert isinstance(
+                    node,
+                    (
+                        ast.Expr,
+                        ast.Import,
+                        ast.ImportFrom,
+                        ast.FunctionDef,
+                        ast.ClassDef,
+                        ast.Assign,
+                        ast.AnnAssign,
+                        ast.Try,
+                        ast.If,
+                    ),
+                ), (path.name, type(node))
 
 
 def tensor_names(folder: Path) -> dict:
@@ -230,8 +284,10 @@ def check_speculators_schema(folder: Path, drafter, verifier):
 def check_hub_schema(folder: Path):
     config = json.loads((folder / "config.json").read_text())
     assert config["model_type"] == "dflash"
-    assert config["auto_map"] == {"AutoConfig": "configuration_dflash.DFlashConfig",
-                                  "AutoModel": "dflash.DFlashDraftModel"}
+    assert config["auto_map"] == {
+        "AutoConfig": "configuration_dflash.DFlashConfig",
+        "AutoModel": "dflash.DFlashDraftModel",
+    }
     assert CODE_FILES <= set(os.listdir(folder))
     assert set(tensor_names(folder)) == spec_tensor_names(2)
 
@@ -263,11 +319,18 @@ def check_card(folder: Path, target_id):
 )
 def test_round_trip_keeps_tensors_and_drafts(tmp_path, target, layout, variant, dtype):
     drafter = build_drafter(target, variant, dtype)
-    folder = export_drafter(drafter, tmp_path / layout, layout, target_name_or_path=TARGET_ID,
-                            card_metadata={"steps": 123, "acceptance_length": 2.5})
-    {"released": lambda: check_released_schema(folder, drafter),
-     "speculators": lambda: check_speculators_schema(folder, drafter, TARGET_ID),
-     "hub": lambda: check_hub_schema(folder)}[layout]()
+    folder = export_drafter(
+        drafter,
+        tmp_path / layout,
+        layout,
+        target_name_or_path=TARGET_ID,
+        card_metadata={"steps": 123, "acceptance_length": 2.5},
+    )
+    {
+        "released": lambda: check_released_schema(folder, drafter),
+        "speculators": lambda: check_speculators_schema(folder, drafter, TARGET_ID),
+        "hub": lambda: check_hub_schema(folder),
+    }[layout]()
     check_code_files(folder)
     card = check_card(folder, TARGET_ID)
     assert "123" in card.text and "2.50" in card.text
@@ -340,9 +403,11 @@ def test_speculators_checkpoints_written_by_speculators_also_convert(tmp_path, t
     config.pop("num_target_layers")
     (folder / "config.json").write_text(json.dumps(config))
     tensors = load_file(folder / "model.safetensors")
-    tensors |= {"embed_tokens.weight": target.get_input_embeddings().weight.detach().clone(),
-                "lm_head.weight": target.get_output_embeddings().weight.detach().clone(),
-                "verifier_norm.weight": torch.ones(32)}
+    tensors |= {
+        "embed_tokens.weight": target.get_input_embeddings().weight.detach().clone(),
+        "lm_head.weight": target.get_output_embeddings().weight.detach().clone(),
+        "verifier_norm.weight": torch.ones(32),
+    }
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     back = convert_drafter(folder)
     assert back.config.num_target_layers is None
@@ -492,8 +557,12 @@ def test_push_to_hub_uploads_code_weights_and_card(fake_hub, target):
     assert_same_tensors(drafter, DFlashDraftModel.from_pretrained(repo, dtype="auto"))
 
     # our card: push_drafter_to_hub uploads the full export; later push_to_hub calls keep the card
-    push_drafter_to_hub(drafter, "me/carded-drafter", target_name_or_path=TARGET_ID,
-                        card_metadata={"data": "800 regenerated prompts", "steps": 42, "acceptance_length": 3.25})
+    push_drafter_to_hub(
+        drafter,
+        "me/carded-drafter",
+        target_name_or_path=TARGET_ID,
+        card_metadata={"data": "800 regenerated prompts", "steps": 42, "acceptance_length": 3.25},
+    )
     repo = fake_hub("me/carded-drafter")
     card = check_card(repo, TARGET_ID)
     assert "800 regenerated prompts" in card.text and "3.25" in card.text
@@ -511,11 +580,27 @@ def test_cli_export_and_convert(tmp_path, target):
     drafter = build_drafter(target)
     train_dir = tmp_path / "run"
     drafter.save_pretrained(train_dir)  # what `dflash train` leaves, with its log
-    (train_dir / "log.jsonl").write_text(json.dumps({"step": 500, "loss": 1.0}) + "\n"
-                                         + json.dumps({"step": 500, "val_acceptance_length": 1.75}) + "\n")
+    (train_dir / "log.jsonl").write_text(
+        json.dumps({"step": 500, "loss": 1.0}) + "\n" + json.dumps({"step": 500, "val_acceptance_length": 1.75}) + "\n"
+    )
     (tmp_path / "card.json").write_text(json.dumps({"data": "1K prompts regenerated by the target", "license": "mit"}))
-    assert cli_main(["export", "--layout", "speculators", "--target", TARGET_ID, "--card", str(tmp_path / "card.json"),
-                     "--out", str(tmp_path / "spec"), str(train_dir)]) == 0
+    assert (
+        cli_main(
+            [
+                "export",
+                "--layout",
+                "speculators",
+                "--target",
+                TARGET_ID,
+                "--card",
+                str(tmp_path / "card.json"),
+                "--out",
+                str(tmp_path / "spec"),
+                str(train_dir),
+            ]
+        )
+        == 0
+    )
     check_speculators_schema(tmp_path / "spec", drafter, TARGET_ID)
     card = check_card(tmp_path / "spec", TARGET_ID)
     assert card.data.license == "mit" and "500" in card.text and "1.75" in card.text and "1K prompts" in card.text
@@ -533,13 +618,21 @@ def test_model_card_template_and_metadata():
     assert cards.BUILTIN_TEMPLATE == cards.TEMPLATE_PATH.read_text(encoding="utf-8")
     drafter = build_drafter(make_target("qwen3", num_layers=NUM_TARGET_LAYERS))
     config = drafter.config
-    text = cards.render_model_card(config, {"target": "Qwen/Qwen3-8B", "datasets": "my/data", "tau": 6.49,
-                                            "speedup": 4.86, "tags": ["qwen3"]}, layout="released")
+    text = cards.render_model_card(
+        config,
+        {"target": "Qwen/Qwen3-8B", "datasets": "my/data", "tau": 6.49, "speedup": 4.86, "tags": ["qwen3"]},
+        layout="released",
+    )
     from huggingface_hub import ModelCard
 
     data = ModelCard(text).data.to_dict()
-    assert data == {"base_model": "Qwen/Qwen3-8B", "datasets": ["my/data"], "library_name": "transformers",
-                    "pipeline_tag": "text-generation", "tags": ["dflash", "speculative-decoding", "qwen3"]}
+    assert data == {
+        "base_model": "Qwen/Qwen3-8B",
+        "datasets": ["my/data"],
+        "library_name": "transformers",
+        "pipeline_tag": "text-generation",
+        "tags": ["dflash", "speculative-decoding", "qwen3"],
+    }
     assert "6.49" in text and "4.86x" in text and "--speculative-algorithm DFLASH" in text
     assert f"| Parameters | {sum(p.numel() for p in drafter.parameters()):,} |" in text
     assert "{{" not in text

@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from transformers_dflash import DFlashDraftModel
-from transformers_dflash import SHIPPED_DRAFTER
+from transformers_dflash import SHIPPED_DRAFTER, DFlashDraftModel
 
 REPO = Path(__file__).resolve().parents[1]
 CARD = REPO / "model_cards" / "smollm2-135m-instruct-dflash.md"
@@ -35,8 +34,12 @@ def test_model_card_is_the_folder_readme_and_has_hub_metadata():
     card = CARD.read_text()
     assert (SHIPPED_DRAFTER / "README.md").read_text() == card
     header = card.split("---")[1]
-    for key in ("base_model: HuggingFaceTB/SmolLM2-135M-Instruct", "library_name: transformers", "- dflash",
-                "- speculative-decoding"):
+    for key in (
+        "base_model: HuggingFaceTB/SmolLM2-135M-Instruct",
+        "library_name: transformers",
+        "- dflash",
+        "- speculative-decoding",
+    ):
         assert key in header
     assert "tau" in card and "speedup" in card.lower()
 
@@ -68,8 +71,14 @@ assert type(drafter).__module__.startswith("transformers_modules"), type(drafter
 assert drafter.draft_vocab_ids.shape == (drafter.config.draft_vocab_size,)
 print("ok", drafter.config.block_size)
 """
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300,
-                            env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "PATH": "/usr/bin:/bin"})
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+        env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "PATH": "/usr/bin:/bin"},
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.startswith("ok")
 
@@ -106,4 +115,3 @@ def test_shipped_drafter_is_lossless_and_accepted_on_smollm2():
 
 
 TAU_FLOOR = 1.3
-

@@ -172,6 +172,8 @@ def test_decoding_uses_packed_attention_with_the_kernels_only(monkeypatch):
     for fast in (False, True):
         drafter.fast_cpu_linears = fast
         expected = target.generate(prompt, max_new_tokens=8, do_sample=False)
-        assert torch.equal(target.generate(prompt, assistant_model=drafter, max_new_tokens=8, do_sample=False), expected)
+        assert torch.equal(
+            target.generate(prompt, assistant_model=drafter, max_new_tokens=8, do_sample=False), expected
+        )
         assert bool(calls) == fast
     assert all(m.config is target.config for m in target.modules() if hasattr(m, "num_key_value_groups"))

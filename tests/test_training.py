@@ -11,15 +11,14 @@ import torch
 from torch.nn import functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from transformers_dflash import DFlashDraftModel
-from transformers_dflash import DFlashCandidateGenerator
+from transformers_dflash import DFlashCandidateGenerator, DFlashDraftModel
 from transformers_dflash.data import shard_to_parquet_bytes
 from transformers_dflash.training import (
     TrainingConfig,
     add_train_arguments,
-    cache_context_features,
     block_position_ids,
     build_block_attention_mask,
+    cache_context_features,
     default_gamma,
     dflash_loss,
     evaluate_acceptance_length,
@@ -218,13 +217,23 @@ def test_dflash_loss_matches_reference_and_offline_features():
     attention_mask = torch.ones(2, seq_len, dtype=torch.long)
 
     loss, metrics = dflash_loss(
-        drafter, target, input_ids, loss_mask, num_anchors, attention_mask=attention_mask,
+        drafter,
+        target,
+        input_ids,
+        loss_mask,
+        num_anchors,
+        attention_mask=attention_mask,
         generator=torch.Generator().manual_seed(7),
     )
     # Offline: precomputed features, same anchors -> same loss.
     features = target_context_features(target, input_ids, drafter.config.target_layer_ids)
     offline, _ = dflash_loss(
-        drafter, target, input_ids, loss_mask, num_anchors, context_features=features,
+        drafter,
+        target,
+        input_ids,
+        loss_mask,
+        num_anchors,
+        context_features=features,
         generator=torch.Generator().manual_seed(7),
     )
     torch.testing.assert_close(loss, offline)
@@ -277,9 +286,23 @@ def test_evaluate_acceptance_length_leaves_drafter_alone():
 
 def small_config(tmp_path, data, output, **overrides):
     values = dict(
-        target="unused", data=str(data), output=str(output), num_layers=1, block_size=BLOCK_SIZE, num_anchors=8,
-        batch_size=2, grad_accum=2, max_steps=4, lr=3e-3, save_every=2, keep_checkpoints=5, eval_every=100,
-        num_val_prompts=2, val_max_new_tokens=8, log_every=1, seed=0,
+        target="unused",
+        data=str(data),
+        output=str(output),
+        num_layers=1,
+        block_size=BLOCK_SIZE,
+        num_anchors=8,
+        batch_size=2,
+        grad_accum=2,
+        max_steps=4,
+        lr=3e-3,
+        save_every=2,
+        keep_checkpoints=5,
+        eval_every=100,
+        num_val_prompts=2,
+        val_max_new_tokens=8,
+        log_every=1,
+        seed=0,
     )
     values.update(overrides)
     return TrainingConfig(**values)
@@ -323,10 +346,35 @@ def test_cli_training_lowers_loss(tmp_path):
     parser = add_train_arguments(argparse.ArgumentParser())
     args = parser.parse_args(
         [
-            "--target", str(tmp_path / "target"), "--data", str(tmp_path / "data"), "--output", str(tmp_path / "out"),
-            "--num-layers", "1", "--block-size", str(BLOCK_SIZE), "--num-anchors", "16", "--max-steps", "24",
-            "--lr", "5e-3", "--log-every", "1", "--save-every", "100", "--eval-every", "100",
-            "--num-val-prompts", "2", "--val-max-new-tokens", "16", "--target-layer-ids", "1", "2",
+            "--target",
+            str(tmp_path / "target"),
+            "--data",
+            str(tmp_path / "data"),
+            "--output",
+            str(tmp_path / "out"),
+            "--num-layers",
+            "1",
+            "--block-size",
+            str(BLOCK_SIZE),
+            "--num-anchors",
+            "16",
+            "--max-steps",
+            "24",
+            "--lr",
+            "5e-3",
+            "--log-every",
+            "1",
+            "--save-every",
+            "100",
+            "--eval-every",
+            "100",
+            "--num-val-prompts",
+            "2",
+            "--val-max-new-tokens",
+            "16",
+            "--target-layer-ids",
+            "1",
+            "2",
         ]
     )
     summary = run_train(args)
@@ -358,8 +406,16 @@ def test_features_of_parquet_shards_resume(tmp_path, monkeypatch):
     pytest.importorskip("pyarrow")
     target = tiny_target()
     write_shards(tmp_path / "data", target, num_examples=8, per_shard=3, fmt="parquet")
-    out = cache_context_features(target, tmp_path / "data", tmp_path / "features", [1, 2], batch_size=2,
-                                 max_length=64, dtype=torch.float32, progress=False)
+    out = cache_context_features(
+        target,
+        tmp_path / "data",
+        tmp_path / "features",
+        [1, 2],
+        batch_size=2,
+        max_length=64,
+        dtype=torch.float32,
+        progress=False,
+    )
     assert sorted(p.name for p in out.glob("shard-*")) == ["shard-00000.pt", "shard-00001.pt", "shard-00002.pt"]
     first = {p.name: p.read_bytes() for p in out.glob("shard-*")}
     # an interrupted run: shard 1 is missing; the rerun computes only that one
@@ -373,8 +429,9 @@ def test_features_of_parquet_shards_resume(tmp_path, monkeypatch):
         return original(*args, **kwargs)
 
     monkeypatch.setattr(decoder, "forward", counting_forward)
-    cache_context_features(target, tmp_path / "data", out, [1, 2], batch_size=2, max_length=64, dtype=torch.float32,
-                           progress=False)
+    cache_context_features(
+        target, tmp_path / "data", out, [1, 2], batch_size=2, max_length=64, dtype=torch.float32, progress=False
+    )
     assert sum(rows) == 3
     monkeypatch.undo()
     for name, content in first.items():

@@ -1,5 +1,4 @@
-"""`DFlashCandidateGenerator`: drafts a block per step from the target's own hidden states (part of the carried core).
-"""
+"""`DFlashCandidateGenerator`: drafts a block per step from the target's own hidden states (part of the carried core)."""
 
 import functools
 import logging
@@ -10,8 +9,8 @@ from torch import nn
 from torch.nn import functional as F
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from .kernels import skinny_linear
 from .draft_length import draft_length_policy
+from .kernels import skinny_linear
 from .modeling_dflash import DFlashDrafterCache
 from .ngram_lookup import ngram_lookup_for
 from .target_model import decoder_layers
@@ -196,4 +195,3 @@ def _capture_output(store: list, slot: int, module, args, output):
 def _remove_hooks(handles):
     for handle in handles:
         handle.remove()
-

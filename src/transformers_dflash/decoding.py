@@ -67,7 +67,11 @@ def dflash_decoding(
 
     def target_forward(ids, position_ids, mask, keep, into=cache):
         return target(
-            input_ids=ids, position_ids=position_ids, attention_mask=mask, use_cache=True, logits_to_keep=keep,
+            input_ids=ids,
+            position_ids=position_ids,
+            attention_mask=mask,
+            use_cache=True,
+            logits_to_keep=keep,
             **{forward_keyword: into},
         ).logits
 
@@ -79,7 +83,9 @@ def dflash_decoding(
     kernels = cpu_kernels(target, drafter) if use_kernels else contextlib.nullcontext()
     with kernels, legacy_qwen3_next_continuation(target):  # the latter: transformers 4.57's Qwen3-Next only
         try:
-            keep = prefill(state, input_ids, target, target_forward, generator, logits_processor, stopping_criteria, do_sample)
+            keep = prefill(
+                state, input_ids, target, target_forward, generator, logits_processor, stopping_criteria, do_sample
+            )
             while keep:
                 state.drop_finished(keep, generator.cache)
                 step_start = time.perf_counter()
@@ -98,7 +104,13 @@ def dflash_decoding(
                 budgets = state.budgets()
                 num_new = torch.minimum(accepted + 1, torch.tensor(budgets, device=accepted.device))
                 num_new, stopped = stop_lengths(
-                    stopping_criteria, state.sequences, state.active, state.lengths, choices, num_new, state.eos_token_id
+                    stopping_criteria,
+                    state.sequences,
+                    state.active,
+                    state.lengths,
+                    choices,
+                    num_new,
+                    state.eos_token_id,
                 )  # the step's one host sync
                 draft_seconds = verify_start - step_start if drafted else None
                 generator.record_step(accepted, candidates.shape[1], time.perf_counter() - verify_start, draft_seconds)

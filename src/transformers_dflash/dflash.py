@@ -12,10 +12,10 @@ The released DFlash checkpoints name the same entry point; their config.json say
 from .candidate_generator import DFlashCandidateGenerator
 from .code_files import code_files, write_code_files
 from .configuration_dflash import DFlashConfig
-from .kernels import cpu_kernels, packed_gqa_attention, skinny_linear, skinny_linears
 from .decoding import dflash_decoding
 from .draft_length import AutoDraftLength, ConfidenceThreshold, FullBlock, draft_length_policy
 from .generation_hook import install_generation_hook
+from .kernels import cpu_kernels, packed_gqa_attention, skinny_linear, skinny_linears
 from .modeling_dflash import DFlashDrafterCache, DFlashDraftModel
 from .ngram_lookup import NgramLookup
 from .prefill import grouped_prefill, prefill_groups

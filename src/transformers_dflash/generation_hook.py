@@ -65,11 +65,11 @@ def prepare_generate_kwargs(drafter: nn.Module, target: nn.Module, args: tuple, 
     return kwargs
 
 
-
-
 def _is_media_input(name: str) -> bool:
     """Multimodal inputs of transformers' vision / audio models (pixel_values, image_grid_thw, input_features, ...)."""
-    return name.startswith(("pixel_values", "image_", "video_", "audio_", "input_features")) or name.endswith("_grid_thw")
+    return name.startswith(("pixel_values", "image_", "video_", "audio_", "input_features")) or name.endswith(
+        "_grid_thw"
+    )
 
 
 def _implementation(assistant_model):
@@ -120,4 +120,7 @@ def install_generation_hook(drafter_class: type) -> None:
     GenerationMixin.generate = generate
     GenerationMixin._assisted_decoding = _assisted_decoding
     GenerationMixin._dflash_hook_installed = True
-    GenerationMixin._dflash_original_methods = {"generate": original_generate, "_assisted_decoding": original_assisted_decoding}
+    GenerationMixin._dflash_original_methods = {
+        "generate": original_generate,
+        "_assisted_decoding": original_assisted_decoding,
+    }

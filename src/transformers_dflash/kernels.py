@@ -151,4 +151,3 @@ def cpu_kernels(*models: nn.Module):
     around any other CPU generation to compare like with like, e.g. `with cpu_kernels(target): target.generate(...)`."""
     with skinny_linears(*models), packed_gqa_attention(*models):
         yield
-

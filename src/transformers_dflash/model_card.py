@@ -100,8 +100,14 @@ class CardMetadata:
     tags: list[str] = field(default_factory=list)  # extra Hub tags (dflash and speculative-decoding are always there)
     notes: str | None = None
 
-    _ALIASES = {"base_model": "target", "tau": "acceptance_length", "max_steps": "steps", "lr": "learning_rate",
-                "dataset": "datasets", "val_acceptance_length": "acceptance_length"}
+    _ALIASES = {
+        "base_model": "target",
+        "tau": "acceptance_length",
+        "max_steps": "steps",
+        "lr": "learning_rate",
+        "dataset": "datasets",
+        "val_acceptance_length": "acceptance_length",
+    }
 
     @classmethod
     def coerce(cls, value: CardMetadata | dict | None) -> CardMetadata:
@@ -227,26 +233,39 @@ def _details(config, metadata: CardMetadata, layout: str) -> str:
     if getattr(config, "num_target_layers", None):
         target_layers += f" of {config.num_target_layers} (hidden state `layer_id + 1`, 0 = embeddings)"
     dtype = getattr(config, "dtype", None)
-    return _table([
-        ("Target model", f"`{metadata.target}`" if metadata.target else "not recorded"),
-        ("Target layers read", target_layers),
-        ("Drafter layers", config.num_hidden_layers),
-        ("Attention", attention),
-        ("Hidden size / MLP width", f"{config.hidden_size} / {config.intermediate_size}"),
-        ("Heads (query / key-value) x head dim",
-         f"{config.num_attention_heads} / {config.num_key_value_heads} x {config.head_dim}"),
-        ("Block size (anchor + masked slots)", config.block_size),
-        ("Mask token id", config.mask_token_id),
-        ("Vocabulary (the target's)", _num(config.vocab_size)),
-        ("Draft vocabulary", f"{_num(config.draft_vocab_size)} tokens (`draft_vocab_ids`: the drafter proposes only "
-         "these; verification uses the whole vocabulary)" if getattr(config, "draft_vocab_size", None) else "the "
-         "whole vocabulary"),
-        ("Parameters", _num(_parameter_count(config))),
-        ("Weights dtype", str(dtype).replace("torch.", "") if dtype is not None else None),
-        ("Checkpoint layout", {"hub": "transformers (config with `auto_map` + code + safetensors)",
-                               "released": "released DFlash checkpoint (`dflash.py`, `model_type: qwen3`)",
-                               "speculators": "vLLM speculators (`speculators_model_type: dflash`)"}[layout]),
-    ])
+    return _table(
+        [
+            ("Target model", f"`{metadata.target}`" if metadata.target else "not recorded"),
+            ("Target layers read", target_layers),
+            ("Drafter layers", config.num_hidden_layers),
+            ("Attention", attention),
+            ("Hidden size / MLP width", f"{config.hidden_size} / {config.intermediate_size}"),
+            (
+                "Heads (query / key-value) x head dim",
+                f"{config.num_attention_heads} / {config.num_key_value_heads} x {config.head_dim}",
+            ),
+            ("Block size (anchor + masked slots)", config.block_size),
+            ("Mask token id", config.mask_token_id),
+            ("Vocabulary (the target's)", _num(config.vocab_size)),
+            (
+                "Draft vocabulary",
+                f"{_num(config.draft_vocab_size)} tokens (`draft_vocab_ids`: the drafter proposes only "
+                "these; verification uses the whole vocabulary)"
+                if getattr(config, "draft_vocab_size", None)
+                else "the whole vocabulary",
+            ),
+            ("Parameters", _num(_parameter_count(config))),
+            ("Weights dtype", str(dtype).replace("torch.", "") if dtype is not None else None),
+            (
+                "Checkpoint layout",
+                {
+                    "hub": "transformers (config with `auto_map` + code + safetensors)",
+                    "released": "released DFlash checkpoint (`dflash.py`, `model_type: qwen3`)",
+                    "speculators": "vLLM speculators (`speculators_model_type: dflash`)",
+                }[layout],
+            ),
+        ]
+    )
 
 
 def _training(metadata: CardMetadata) -> str:
@@ -265,9 +284,11 @@ def _training(metadata: CardMetadata) -> str:
         text = "Not recorded."
     else:
         text = _table(rows)
-    text += ("\n\nRecipe (DFlash): the target answers the training prompts itself and the drafter learns to predict "
-             "its answers; random anchors per sequence, blocks of [anchor, MASK x (block_size - 1)], a "
-             "position-decayed cross-entropy; the target, its embeddings and its LM head stay frozen.")
+    text += (
+        "\n\nRecipe (DFlash): the target answers the training prompts itself and the drafter learns to predict "
+        "its answers; random anchors per sequence, blocks of [anchor, MASK x (block_size - 1)], a "
+        "position-decayed cross-entropy; the target, its embeddings and its LM head stay frozen."
+    )
     if metadata.notes:
         text += f"\n\n{metadata.notes}"
     return text
@@ -275,12 +296,16 @@ def _training(metadata: CardMetadata) -> str:
 
 def _acceptance(metadata: CardMetadata) -> str:
     if metadata.acceptance_length is None and metadata.speedup is None:
-        return ("Not measured yet. The mean acceptance length tau (tokens committed per target forward, bonus token "
-                "included; 1.0 means no draft is ever accepted) tells how much a drafter can speed decoding up.")
+        return (
+            "Not measured yet. The mean acceptance length tau (tokens committed per target forward, bonus token "
+            "included; 1.0 means no draft is ever accepted) tells how much a drafter can speed decoding up."
+        )
     parts = []
     if metadata.acceptance_length is not None:
-        parts.append(f"Mean acceptance length **tau = {metadata.acceptance_length:.2f}** tokens per target forward "
-                     "(bonus token included).")
+        parts.append(
+            f"Mean acceptance length **tau = {metadata.acceptance_length:.2f}** tokens per target forward "
+            "(bonus token included)."
+        )
     if metadata.speedup is not None:
         parts.append(f"Speedup over plain `generate()`: **{metadata.speedup:.2f}x**.")
     if metadata.acceptance_setting:
@@ -291,61 +316,77 @@ def _acceptance(metadata: CardMetadata) -> str:
 def _usage(config, metadata: CardMetadata, layout: str) -> str:
     target = metadata.target or "TARGET-MODEL-ID"
     repo = metadata.model_id or "THIS-REPO-ID"
-    python = "\n".join([
-        "```python",
-        "from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer",
-        "",
-        f'target = AutoModelForCausalLM.from_pretrained("{target}", dtype="auto")',
-        f'tokenizer = AutoTokenizer.from_pretrained("{target}")',
-        f'drafter = AutoModel.from_pretrained("{repo}", trust_remote_code=True, dtype="auto")',
-        "",
-        'messages = [{"role": "user", "content": "Explain in a few sentences why the sky is blue."}]',
-        "inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors=\"pt\", "
-        "return_dict=True)",
-        "out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=256)",
-        'print(tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))',
-        "print(drafter.last_acceptance_lengths)  # tokens committed per target forward",
-        "```",
-    ])
-    remote = ("`trust_remote_code=True` runs the Python files of this repository (they import only torch and "
-              "transformers). With `pip install transformers-dflash`, `DFlashDraftModel.from_pretrained` loads the "
-              "drafter without remote code. `out` is exactly what `target.generate(**inputs, max_new_tokens=256)` "
-              "returns; greedy and sampling, streamers and the other `generate()` options keep working.")
+    python = "\n".join(
+        [
+            "```python",
+            "from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer",
+            "",
+            f'target = AutoModelForCausalLM.from_pretrained("{target}", dtype="auto")',
+            f'tokenizer = AutoTokenizer.from_pretrained("{target}")',
+            f'drafter = AutoModel.from_pretrained("{repo}", trust_remote_code=True, dtype="auto")',
+            "",
+            'messages = [{"role": "user", "content": "Explain in a few sentences why the sky is blue."}]',
+            'inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", '
+            "return_dict=True)",
+            "out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=256)",
+            'print(tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))',
+            "print(drafter.last_acceptance_lengths)  # tokens committed per target forward",
+            "```",
+        ]
+    )
+    remote = (
+        "`trust_remote_code=True` runs the Python files of this repository (they import only torch and "
+        "transformers). With `pip install transformers-dflash`, `DFlashDraftModel.from_pretrained` loads the "
+        "drafter without remote code. `out` is exactly what `target.generate(**inputs, max_new_tokens=256)` "
+        "returns; greedy and sampling, streamers and the other `generate()` options keep working."
+    )
     num_spec = config.block_size - 1
-    vllm = ("```bash\n"
-            f"vllm serve {target} \\\n"
-            f"  --speculative-config '{{\"method\": \"dflash\", \"model\": \"{repo}\", "
-            f"\"num_speculative_tokens\": {num_spec}}}'\n"
-            "```")
+    vllm = (
+        "```bash\n"
+        f"vllm serve {target} \\\n"
+        f'  --speculative-config \'{{"method": "dflash", "model": "{repo}", '
+        f'"num_speculative_tokens": {num_spec}}}\'\n'
+        "```"
+    )
     if layout == "hub" and getattr(config, "draft_vocab_size", None):
-        return (f"With transformers:\n\n{python}\n\n{remote}\n\n"
-                "SGLang and vLLM cannot run this drafter as it is: their DFlash readers score the target's whole LM "
-                "head, while this drafter proposes from its reduced draft vocabulary (`draft_vocab_ids`).")
+        return (
+            f"With transformers:\n\n{python}\n\n{remote}\n\n"
+            "SGLang and vLLM cannot run this drafter as it is: their DFlash readers score the target's whole LM "
+            "head, while this drafter proposes from its reduced draft vocabulary (`draft_vocab_ids`)."
+        )
     if layout == "hub":
-        return (f"With transformers:\n\n{python}\n\n{remote}\n\n"
-                "For SGLang or vLLM, export the released DFlash layout or the speculators layout first:\n\n"
-                f"```bash\ndflash export --layout released --out drafter-released {repo}\n"
-                f"dflash export --layout speculators --target {target} --out drafter-speculators {repo}\n```")
+        return (
+            f"With transformers:\n\n{python}\n\n{remote}\n\n"
+            "For SGLang or vLLM, export the released DFlash layout or the speculators layout first:\n\n"
+            f"```bash\ndflash export --layout released --out drafter-released {repo}\n"
+            f"dflash export --layout speculators --target {target} --out drafter-speculators {repo}\n```"
+        )
     if layout == "released":
-        sglang = ("```bash\n"
-                  "python -m sglang.launch_server \\\n"
-                  f"  --model-path {target} \\\n"
-                  "  --speculative-algorithm DFLASH \\\n"
-                  f"  --speculative-draft-model-path {repo} \\\n"
-                  f"  --speculative-num-draft-tokens {config.block_size} \\\n"
-                  "  --trust-remote-code\n"
-                  "```")
-        return (f"This repository uses the layout of the released DFlash checkpoints (`model_type: qwen3` + "
-                f"`dflash_config`), which SGLang and vLLM load as `DFlashDraftModel`.\n\nSGLang:\n\n{sglang}\n\n"
-                f"vLLM:\n\n{vllm}\n\nWith transformers (`dflash.py` serves the transformers-dflash implementation):"
-                f"\n\n{python}\n\n{remote}")
-    return (f"This repository uses the vLLM speculators layout (`speculators_model_type: dflash`).\n\nvLLM, with the "
-            f"verifier named in `config.json` (`{target}`) as the target:\n\n```bash\nvllm serve {repo}\n```\n\n"
-            f"or naming the target explicitly:\n\n{vllm}\n\n"
-            "With transformers (`pip install transformers-dflash`), from a local copy of this repository:\n\n"
-            "```python\nfrom transformers_dflash.interop import convert_drafter\n\n"
-            "drafter = convert_drafter(local_dir)  # a DFlashDraftModel; then target.generate(..., "
-            "assistant_model=drafter)\n```")
+        sglang = (
+            "```bash\n"
+            "python -m sglang.launch_server \\\n"
+            f"  --model-path {target} \\\n"
+            "  --speculative-algorithm DFLASH \\\n"
+            f"  --speculative-draft-model-path {repo} \\\n"
+            f"  --speculative-num-draft-tokens {config.block_size} \\\n"
+            "  --trust-remote-code\n"
+            "```"
+        )
+        return (
+            f"This repository uses the layout of the released DFlash checkpoints (`model_type: qwen3` + "
+            f"`dflash_config`), which SGLang and vLLM load as `DFlashDraftModel`.\n\nSGLang:\n\n{sglang}\n\n"
+            f"vLLM:\n\n{vllm}\n\nWith transformers (`dflash.py` serves the transformers-dflash implementation):"
+            f"\n\n{python}\n\n{remote}"
+        )
+    return (
+        f"This repository uses the vLLM speculators layout (`speculators_model_type: dflash`).\n\nvLLM, with the "
+        f"verifier named in `config.json` (`{target}`) as the target:\n\n```bash\nvllm serve {repo}\n```\n\n"
+        f"or naming the target explicitly:\n\n{vllm}\n\n"
+        "With transformers (`pip install transformers-dflash`), from a local copy of this repository:\n\n"
+        "```python\nfrom transformers_dflash.interop import convert_drafter\n\n"
+        "drafter = convert_drafter(local_dir)  # a DFlashDraftModel; then target.generate(..., "
+        "assistant_model=drafter)\n```"
+    )
 
 
 _FILE_NOTES = {
@@ -384,13 +425,18 @@ def render_model_card(
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     metadata = CardMetadata.coerce(metadata)
-    title = metadata.title or (f"DFlash drafter for {metadata.target.split('/')[-1]}" if metadata.target
-                               else "DFlash drafter")
-    summary = (f"A DFlash drafter for [`{metadata.target}`](https://huggingface.co/{metadata.target}): "
-               if metadata.target and "/" in metadata.target and not Path(metadata.target).exists()
-               else "A DFlash drafter: ")
-    summary += (f"{config.num_hidden_layers} decoder layer(s) that propose {config.block_size - 1} tokens per step, "
-                f"reading the target's layers {list(config.target_layer_ids)}.")
+    title = metadata.title or (
+        f"DFlash drafter for {metadata.target.split('/')[-1]}" if metadata.target else "DFlash drafter"
+    )
+    summary = (
+        f"A DFlash drafter for [`{metadata.target}`](https://huggingface.co/{metadata.target}): "
+        if metadata.target and "/" in metadata.target and not Path(metadata.target).exists()
+        else "A DFlash drafter: "
+    )
+    summary += (
+        f"{config.num_hidden_layers} decoder layer(s) that propose {config.block_size - 1} tokens per step, "
+        f"reading the target's layers {list(config.target_layer_ids)}."
+    )
     values = {
         "metadata": card_yaml(metadata),
         "title": title,

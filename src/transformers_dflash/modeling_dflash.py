@@ -242,10 +242,18 @@ class DFlashAttention(nn.Module):
         self.is_causal = False
         self.sliding_window = config.sliding_window if config.layer_types[layer_idx] == "sliding_attention" else None
 
-        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=config.attention_bias)
-        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias)
-        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias)
-        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
+        self.q_proj = nn.Linear(
+            config.hidden_size, config.num_attention_heads * self.head_dim, bias=config.attention_bias
+        )
+        self.k_proj = nn.Linear(
+            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias
+        )
+        self.v_proj = nn.Linear(
+            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias
+        )
         self.q_norm = DFlashRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = DFlashRMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
@@ -500,7 +508,10 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         FlashAttention-2 applies the window itself (it gets `sliding_window`), so no mask is built for it.
         """
         window = self.config.sliding_window
-        if "sliding_attention" not in self.config.layer_types or self.config._attn_implementation == "flash_attention_2":
+        if (
+            "sliding_attention" not in self.config.layer_types
+            or self.config._attn_implementation == "flash_attention_2"
+        ):
             return attention_mask
         past = cache.past_positions() if cache is not None else None
         key_positions = position_ids if past is None else torch.cat([past, position_ids], dim=1)
@@ -578,4 +589,3 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         super().save_pretrained(save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
             write_code_files(save_directory)
-

@@ -6,6 +6,7 @@
 
 import torch
 
+
 class NgramLookup:
     """Drafts copied from the sequence itself (prompt lookup), merged into DFlash's blocks: `drafter.ngram_lookup = n`.
 
@@ -70,8 +71,6 @@ class NgramLookup:
             for j in range(min(copied, verified, a + 1)):
                 self.tries[j] += 1
                 self.hits[j] += j < a
-
-
 
 
 def default_ngram_lookup(device: torch.device) -> int:

@@ -72,5 +72,3 @@ def grouped_prefill(target_forward, generator, input_ids, mask, groups, cache):
         values = left_pad([c.layers[layer_idx].values for c in group_caches])
         cache.update(keys, values, layer_idx)
     return torch.cat(logits)[order], left_pad(features)
-
-

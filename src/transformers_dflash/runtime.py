@@ -41,8 +41,13 @@ def encode_chat(tokenizer, prompt: str, device=None):
     return input_ids.to(device) if device is not None else input_ids
 
 
-def load_drafter(target, path: str | os.PathLike | None = None, block_size: int | None = None, num_layers: int = 1,
-                 attn: str | None = None):
+def load_drafter(
+    target,
+    path: str | os.PathLike | None = None,
+    block_size: int | None = None,
+    num_layers: int = 1,
+    attn: str | None = None,
+):
     """`(drafter, description, trained)` for `target`, in its dtype and on its device: the drafter at `path`, else the
     shipped SmolLM2 drafter when its folder is there, else an untrained one (`num_layers`, block 16 unless
     `block_size`; seeded, so that two runs measure the same drafter). `block_size` overrides a trained drafter's

@@ -188,7 +188,12 @@ class StateRollback:
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep only the rows `indices` in every layer (finished rows leave the batch)."""
         if self.legacy:
-            for states in (self.cache.key_cache, self.cache.value_cache, self.cache.conv_states, self.cache.recurrent_states):
+            for states in (
+                self.cache.key_cache,
+                self.cache.value_cache,
+                self.cache.conv_states,
+                self.cache.recurrent_states,
+            ):
                 for i, t in enumerate(states):
                     if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] > 0:
                         states[i] = t[indices.to(t.device)]

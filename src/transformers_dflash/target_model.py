@@ -77,7 +77,6 @@ def check_drafter_fits_target(drafter: nn.Module, target: nn.Module) -> None:
         )
 
 
-
 def cache_keyword(target: nn.Module) -> str:
     """transformers 5.24 renamed the forward keyword `past_key_values` to `cache`."""
     return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
@@ -113,12 +112,9 @@ def new_target_cache(target: nn.Module, model_kwargs: dict, generation_config):
     return DynamicCache()
 
 
-
 def has_sliding_window(target: nn.Module) -> bool:
     config = text_config(target.config)
     if getattr(config, "sliding_window", None) is None or getattr(config, "use_sliding_window", True) is False:
         return False
     layer_types = getattr(config, "layer_types", None)
     return layer_types is None or "sliding_attention" in layer_types
-
-

@@ -21,7 +21,6 @@ SCORE_ONLY_PROCESSORS = {
 }
 
 
-
 def process_logits(logits_processor, sequences, active, lengths, candidates, logits):
     """Processed scores of every verified position, as plain `generate()` would compute them one token at a time.
 
@@ -81,7 +80,6 @@ def stop_lengths(stopping_criteria, sequences, active, lengths, new_tokens, num_
     return num_new_host, stopped_host
 
 
-
 def align_continuing_rows(num_new: list[int], stopped: list[bool], budgets: list[int]) -> list[int]:
     """Cut every continuing row to the smallest number of new tokens among them (rows that end keep theirs).
 
@@ -100,8 +98,6 @@ def choose_tokens(processed: torch.Tensor, do_sample: bool) -> torch.LongTensor:
         return processed.argmax(dim=-1)
     probs = nn.functional.softmax(processed, dim=-1)
     return torch.multinomial(probs.view(-1, probs.shape[-1]), num_samples=1).view(probs.shape[:-1])
-
-
 
 
 def accept_lengths(drafts: torch.LongTensor, choices: torch.LongTensor) -> torch.LongTensor:

@@ -99,8 +99,9 @@ def run_batch_benchmark(
         for batch_size in batch_sizes:
             chosen = [prompts[i % len(prompts)] for i in range(batch_size)]
             input_ids, attention_mask = left_pad(chosen, pad_token_id, device)
-            kwargs = dict(attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=False,
-                          pad_token_id=pad_token_id)
+            kwargs = dict(
+                attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_token_id
+            )
             totals = {m.name: {"tokens": 0, "seconds": 0.0, "steps": [], "equal": True} for m in method_list}
             reference = None
 
@@ -144,16 +145,18 @@ def run_batch_benchmark(
                 total = totals[name]
                 rate = tokens_per_second(total["tokens"], total["seconds"])
                 taus = [t for t in total["steps"] if math.isfinite(t)]
-                rows.append({
-                    "batch_size": batch_size,
-                    "method": name,
-                    "tokens_per_s": rate,
-                    "speedup": speedup(rate, base_rate),
-                    "tau": sum(taus) / len(taus) if taus else (1.0 if name in PLAIN_METHODS else float("nan")),
-                    "tokens": total["tokens"],
-                    "seconds": total["seconds"],
-                    "rows_equal": total["equal"],
-                })
+                rows.append(
+                    {
+                        "batch_size": batch_size,
+                        "method": name,
+                        "tokens_per_s": rate,
+                        "speedup": speedup(rate, base_rate),
+                        "tau": sum(taus) / len(taus) if taus else (1.0 if name in PLAIN_METHODS else float("nan")),
+                        "tokens": total["tokens"],
+                        "seconds": total["seconds"],
+                        "rows_equal": total["equal"],
+                    }
+                )
     finally:
         bar.close()
     return rows
@@ -168,7 +171,8 @@ def format_batch_markdown(rows: Sequence[Mapping[str, Any]], header: str = "") -
         for r in rows
     ]
     return table_section(
-        "DFlash batched throughput (greedy)", header,
+        "DFlash batched throughput (greedy)",
+        header,
         "| batch size | method | tokens/s (whole batch) | speedup | tau | generated tokens | seconds | rows equal plain |",
         "|---:|---|---:|---:|---:|---:|---:|---|",
         body,

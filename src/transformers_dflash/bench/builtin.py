@@ -36,7 +36,9 @@ def builtin_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     `encoder` (as `encoder.fc` and `encoder.output_norm_enc`); `layers.*` and `norm` keep their names. A reduced draft
     vocabulary (`draft_vocab_ids`) has no counterpart there: the built-in path drafts from the whole vocabulary."""
     return {
-        BUILTIN_DRAFTER_RENAMES.get(name, name): tensor for name, tensor in state_dict.items() if name != "draft_vocab_ids"
+        BUILTIN_DRAFTER_RENAMES.get(name, name): tensor
+        for name, tensor in state_dict.items()
+        if name != "draft_vocab_ids"
     }
 
 
@@ -127,8 +129,12 @@ def compare_drafts(target, drafter, builtin_drafter, input_ids, max_new_tokens: 
     kwargs = dict(attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False)
     kwargs.update(generate_kwargs)
     ours: list[list[int]] = []
-    with torch.inference_mode(), _record_our_drafts(drafter, ours), draft_length(drafter, "full"), \
-            ngram_lookup(drafter, 0):
+    with (
+        torch.inference_mode(),
+        _record_our_drafts(drafter, ours),
+        draft_length(drafter, "full"),
+        ngram_lookup(drafter, 0),
+    ):
         ours_out = target.generate(input_ids, assistant_model=drafter, **kwargs)
     ours_acceptance = list(drafter.last_acceptance_lengths)
     recorder = AssistedRecorder(record_drafts=True)

@@ -12,8 +12,9 @@ from ..runtime import synchronize
 from .report import fmt, table_section
 
 
-def run_linear_benchmark(model, row_counts: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128), repeats: int = 5,
-                         warmup: int = 1) -> list[dict]:
+def run_linear_benchmark(
+    model, row_counts: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128), repeats: int = 5, warmup: int = 1
+) -> list[dict]:
     """Time one pass over every `nn.Linear` weight of `model` (a forward's matrix products, in order) with
     `F.linear` and with `kernels.skinny_linear`, for inputs of each row count.
 
@@ -33,8 +34,11 @@ def run_linear_benchmark(model, row_counts: Sequence[int] = (1, 2, 4, 8, 16, 32,
     device = weights[0][0].device
     rows = []
     with torch.inference_mode():
-        inputs = {(n, w.shape[1]): torch.randn(n, w.shape[1], dtype=w.dtype, device=device)
-                  for n in row_counts for w, _ in weights}
+        inputs = {
+            (n, w.shape[1]): torch.randn(n, w.shape[1], dtype=w.dtype, device=device)
+            for n in row_counts
+            for w, _ in weights
+        }
 
         def one_pass(kernel, n):
             synchronize(device)
@@ -68,7 +72,8 @@ def format_linear_markdown(rows: Sequence[Mapping[str, Any]], header: str = "") 
         for r in rows
     ]
     return table_section(
-        "Linear kernels: one pass over the model's nn.Linear weights", header,
+        "Linear kernels: one pass over the model's nn.Linear weights",
+        header,
         "| rows | F.linear (ms) | skinny_linear (ms) | skinny / F.linear | F.linear vs 1 row | skinny vs 1-row F.linear |",
         "|---:|---:|---:|---:|---:|---:|",
         body,

@@ -20,9 +20,23 @@ DEFAULT_METHODS = ("baseline", "dflash", "dflash_adaptive", "builtin_dflash", "p
 # The *_skinny / dflash_stock_linears methods attribute speed to kernels: every method with the same CPU kernels
 # (`kernels.cpu_kernels`: skinny linears and packed grouped-query attention).
 OPTIONAL_METHODS = (
-    "dflash_defaults", "dflash_lookup", "early_exit", "assistant", "baseline_skinny", "prompt_lookup_skinny", "dflash_stock_linears"
+    "dflash_defaults",
+    "dflash_lookup",
+    "early_exit",
+    "assistant",
+    "baseline_skinny",
+    "prompt_lookup_skinny",
+    "dflash_stock_linears",
 )
-BATCH_METHODS = ("baseline", "dflash", "dflash_defaults", "dflash_adaptive", "dflash_lookup", "baseline_skinny", "dflash_stock_linears")
+BATCH_METHODS = (
+    "baseline",
+    "dflash",
+    "dflash_defaults",
+    "dflash_adaptive",
+    "dflash_lookup",
+    "baseline_skinny",
+    "dflash_stock_linears",
+)
 PLAIN_METHODS = ("baseline", "baseline_skinny")  # no drafter: tau is 1 by definition
 
 Generate = Callable[[Any, dict], tuple[Any, "list[int] | None"]]
@@ -70,7 +84,7 @@ class MethodSpec:
     name: str
     label: str
     build: Callable[[MethodContext], tuple[Generate, str]]
-    missing: Callable[[MethodContext], "str | None"] = lambda context: None
+    missing: Callable[[MethodContext], str | None] = lambda context: None
 
 
 # ------------------------------------------------------------------------------------------- how methods generate
@@ -209,33 +223,41 @@ REGISTRY: dict[str, MethodSpec] = {
         MethodSpec("baseline", "plain generate()", lambda c: (_plain(c), "")),
         MethodSpec("dflash", "DFlash (transformers-dflash)", lambda c: (_dflash(c, "full"), c.block), _needs_drafter()),
         MethodSpec(
-            "dflash_adaptive", "DFlash, adaptive draft length (transformers-dflash)", _adaptive,
+            "dflash_adaptive",
+            "DFlash, adaptive draft length (transformers-dflash)",
+            _adaptive,
             _needs_drafter("draft_length", "this drafter's code has no adaptive draft length"),
         ),
         MethodSpec("builtin_dflash", "DFlash (transformers built-in)", _builtin_dflash, _needs_builtin_path),
         MethodSpec("prompt_lookup", "prompt lookup", _prompt_lookup),
         MethodSpec(
-            "dflash_defaults", "DFlash at the drafter's defaults (transformers-dflash)",
+            "dflash_defaults",
+            "DFlash at the drafter's defaults (transformers-dflash)",
             lambda c: (_dflash(c, None, lookup=None), f"{c.block}, nothing set: the device's defaults"),
             _needs_drafter("ngram_lookup", "this drafter's code has no device defaults"),
         ),
         MethodSpec(
-            "dflash_lookup", "DFlash + n-gram lookup, adaptive draft length (transformers-dflash)", _dflash_lookup,
+            "dflash_lookup",
+            "DFlash + n-gram lookup, adaptive draft length (transformers-dflash)",
+            _dflash_lookup,
             _needs_drafter("ngram_lookup", "this drafter's code has no ngram_lookup"),
         ),
         MethodSpec("early_exit", "early-exit self-speculation", _early_exit, _needs_early_exit_layer),
         MethodSpec(
-            "assistant", "assistant model",
+            "assistant",
+            "assistant model",
             lambda c: (_assisted(c.target, {"assistant_model": c.assistant_model}), type(c.assistant_model).__name__),
             _needs_assistant,
         ),
         MethodSpec(
-            "baseline_skinny", "plain generate(), DFlash's CPU kernels",
+            "baseline_skinny",
+            "plain generate(), DFlash's CPU kernels",
             lambda c: (_with_cpu_kernels(c.target, _plain(c)), ""),
         ),
         MethodSpec("prompt_lookup_skinny", "prompt lookup, DFlash's CPU kernels", _prompt_lookup_skinny),
         MethodSpec(
-            "dflash_stock_linears", "DFlash (transformers-dflash), stock kernels",
+            "dflash_stock_linears",
+            "DFlash (transformers-dflash), stock kernels",
             lambda c: (_dflash(c, "full", fast_linears=False), f"{c.block}, fast_cpu_linears=False"),
             _needs_drafter("fast_cpu_linears", "this drafter's code has no fast_cpu_linears"),
         ),
@@ -258,8 +280,14 @@ def build_methods(
 ) -> tuple[list[Method], dict[str, str]]:
     """The requested methods that can run here, and `{name: reason}` for those that cannot."""
     context = MethodContext(
-        target, drafter, builtin_drafter, prompt_lookup_tokens, max_matching_ngram_size, early_exit_layer,
-        assistant_model, adaptive_draft_length,
+        target,
+        drafter,
+        builtin_drafter,
+        prompt_lookup_tokens,
+        max_matching_ngram_size,
+        early_exit_layer,
+        assistant_model,
+        adaptive_draft_length,
     )
     methods, skipped = [], {}
     for name in names:

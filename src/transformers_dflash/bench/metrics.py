@@ -152,9 +152,11 @@ def summarize(
         groups += [(t, "all") for t in temperatures]
     rows = []
     for temperature, dataset in groups:
+
         def pick(method):
             return [
-                s for s in samples
+                s
+                for s in samples
                 if s.temperature == temperature and s.method == method and dataset in ("all", s.dataset)
             ]
 
@@ -190,7 +192,8 @@ def summarize(
                     "acceptance_histogram": histogram,
                     "r": overhead_ratio(tau, gain),
                     "mismatches": sum(
-                        1 for m in mismatches
+                        1
+                        for m in mismatches
                         if temperature == 0 and m["method"] == method and dataset in ("all", m["dataset"])
                     ),
                 }

@@ -110,8 +110,16 @@ class StepProfiler:
         return out
 
 
-def profile_step(target, drafter, input_ids, kind: str = "dflash", builtin_drafter=None, max_new_tokens: int = 64,
-                 adaptive_draft_length="auto", **generate_kwargs) -> dict:
+def profile_step(
+    target,
+    drafter,
+    input_ids,
+    kind: str = "dflash",
+    builtin_drafter=None,
+    max_new_tokens: int = 64,
+    adaptive_draft_length="auto",
+    **generate_kwargs,
+) -> dict:
     """One greedy generation through our DFlash path (`kind="dflash"`, or `"dflash_adaptive"`) or transformers'
     (`"builtin_dflash"`), with a `StepProfiler`: milliseconds per step spent drafting, verifying, cropping caches,
     accepting, and elsewhere; plus the mean verified width (anchor included) and tau of that run."""
@@ -134,8 +142,13 @@ def profile_step(target, drafter, input_ids, kind: str = "dflash", builtin_draft
     handle = target.register_forward_pre_hook(record_width, with_kwargs=True)
     recorder = AssistedRecorder()
     try:
-        with torch.inference_mode(), draft_length(drafter, setting), ngram_lookup(drafter, 0), recorder.watch(), \
-                StepProfiler(target, "builtin_dflash" if kind == "builtin_dflash" else "dflash", drafter) as profiler:
+        with (
+            torch.inference_mode(),
+            draft_length(drafter, setting),
+            ngram_lookup(drafter, 0),
+            recorder.watch(),
+            StepProfiler(target, "builtin_dflash" if kind == "builtin_dflash" else "dflash", drafter) as profiler,
+        ):
             target.generate(input_ids, **kwargs, **extra)
     finally:
         handle.remove()

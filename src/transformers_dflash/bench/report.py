@@ -22,7 +22,10 @@ def _git_commit() -> dict:
         ).stdout.strip()
         dirty = subprocess.run(
             ["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, timeout=10, check=True,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
         ).stdout.strip()
         return {"commit": commit, "dirty": bool(dirty)}
     except (OSError, subprocess.SubprocessError):
@@ -140,8 +143,13 @@ def format_markdown(report: Mapping[str, Any]) -> str:
                 f"{fmt(c['other_tau'], '.2f')} |"
             )
         lines.append("")
-    hist_rows = [r for r in rows if r["method"] != "baseline" and r["acceptance_histogram"]
-                 and (r["dataset"] == "all" or len(settings["datasets"]) == 1)]
+    hist_rows = [
+        r
+        for r in rows
+        if r["method"] != "baseline"
+        and r["acceptance_histogram"]
+        and (r["dataset"] == "all" or len(settings["datasets"]) == 1)
+    ]
     if hist_rows:
         width = max(max(r["acceptance_histogram"]) for r in hist_rows)
         lines += [
@@ -154,7 +162,8 @@ def format_markdown(report: Mapping[str, Any]) -> str:
             h = r["acceptance_histogram"]
             lines.append(
                 f"| {r['temperature']:g} | {labels.get(r['method'], r['method'])} | "
-                + " | ".join(str(h.get(n, 0)) for n in range(1, width + 1)) + " |"
+                + " | ".join(str(h.get(n, 0)) for n in range(1, width + 1))
+                + " |"
             )
         lines.append("")
     check = report.get("draft_check")
@@ -188,9 +197,12 @@ def format_markdown(report: Mapping[str, Any]) -> str:
             )
         lines.append("")
     if report.get("mismatches"):
-        lines += ["### Greedy outputs that differ from plain generate()", "",
-                  "| dataset | prompt | method | repeat | first differing token | new tokens (method / baseline) |",
-                  "|---|---:|---|---:|---:|---|"]
+        lines += [
+            "### Greedy outputs that differ from plain generate()",
+            "",
+            "| dataset | prompt | method | repeat | first differing token | new tokens (method / baseline) |",
+            "|---|---:|---|---:|---:|---|",
+        ]
         for m in report["mismatches"]:
             lines.append(
                 f"| {m['dataset']} | {m['prompt_index']} | {labels.get(m['method'], m['method'])} | {m['repeat']} | "
@@ -231,8 +243,14 @@ def plot_report(report: Mapping[str, Any], path: str | os.PathLike) -> bool:
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
 
     ax = axes[0]
-    hist_rows = [r for r in rows if r["method"] in methods and r["temperature"] == temperatures[0]
-                 and r["dataset"] == ("all" if several else datasets[0]) and r["acceptance_histogram"]]
+    hist_rows = [
+        r
+        for r in rows
+        if r["method"] in methods
+        and r["temperature"] == temperatures[0]
+        and r["dataset"] == ("all" if several else datasets[0])
+        and r["acceptance_histogram"]
+    ]
     if hist_rows:
         width_all = max(max(r["acceptance_histogram"]) for r in hist_rows)
         bar_width = 0.8 / len(hist_rows)
@@ -240,8 +258,12 @@ def plot_report(report: Mapping[str, Any], path: str | os.PathLike) -> bool:
             h = r["acceptance_histogram"]
             steps = sum(h.values()) or 1
             xs = [n + (k - (len(hist_rows) - 1) / 2) * bar_width for n in range(1, width_all + 1)]
-            ax.bar(xs, [h.get(n, 0) / steps for n in range(1, width_all + 1)], width=bar_width,
-                   label=f"{labels.get(r['method'], r['method'])} (tau {fmt(r['tau'], '.2f')})")
+            ax.bar(
+                xs,
+                [h.get(n, 0) / steps for n in range(1, width_all + 1)],
+                width=bar_width,
+                label=f"{labels.get(r['method'], r['method'])} (tau {fmt(r['tau'], '.2f')})",
+            )
         ax.set_xticks(range(1, width_all + 1))
         ax.legend(fontsize=8)
     ax.set_xlabel("tokens committed per verification step")

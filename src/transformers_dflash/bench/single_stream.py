@@ -74,14 +74,16 @@ def _timed(method: Method, ids, kwargs: dict, sample_seed: int | None, device) -
     return sequences[0, ids.shape[1] :].tolist(), acceptance, seconds
 
 
-def _time_methods(method_list, encoded, temperatures, repeats, warmup, seed, max_new_tokens, pad_token_id, device,
-                  bar) -> list[Sample]:
+def _time_methods(
+    method_list, encoded, temperatures, repeats, warmup, seed, max_new_tokens, pad_token_id, device, bar
+) -> list[Sample]:
     """Warm-up runs per method and temperature, then `repeats` timed runs per prompt, interleaved in an order rotated
     from prompt to prompt (so machine noise hits all methods alike)."""
     samples: list[Sample] = []
     rotation = 0
     first_ids = next(iter(encoded.values()))[0]
     for temperature in temperatures:
+
         def run(method, ids, sample_seed):
             kwargs = _generate_kwargs(ids, max_new_tokens, temperature, pad_token_id)
             return _timed(method, ids, kwargs, sample_seed if temperature > 0 else None, device)
@@ -204,10 +206,14 @@ def run_benchmark(
         raise ValueError("no prompts to benchmark")
     temperatures = [float(t) for t in temperatures]
     num_prompts = sum(len(v) for v in encoded.values())
-    check = check_drafts and builtin_drafter is not None and any(
-        m.name in ("dflash", "builtin_dflash") for m in method_list
+    check = (
+        check_drafts
+        and builtin_drafter is not None
+        and any(m.name in ("dflash", "builtin_dflash") for m in method_list)
     )
-    to_profile = [m.name for m in method_list if m.name in ("dflash", "dflash_adaptive", "builtin_dflash")] if profile else []
+    to_profile = (
+        [m.name for m in method_list if m.name in ("dflash", "dflash_adaptive", "builtin_dflash")] if profile else []
+    )
     if "builtin_dflash" in to_profile and builtin_drafter is None:
         to_profile.remove("builtin_dflash")
     total = len(temperatures) * len(method_list) * (warmup + repeats * num_prompts) + (1 if check else 0)
@@ -216,13 +222,18 @@ def run_benchmark(
 
     started = time.perf_counter()
     try:
-        samples = _time_methods(method_list, encoded, temperatures, repeats, warmup, seed, max_new_tokens,
-                                pad_token_id, device, bar)
+        samples = _time_methods(
+            method_list, encoded, temperatures, repeats, warmup, seed, max_new_tokens, pad_token_id, device, bar
+        )
         draft_check = None
         if check:
             bar.set_postfix_str("ours vs built-in drafts")
             draft_check = compare_drafts(
-                target, drafter, builtin_drafter, next(iter(encoded.values()))[0], max_new_tokens,
+                target,
+                drafter,
+                builtin_drafter,
+                next(iter(encoded.values()))[0],
+                max_new_tokens,
                 pad_token_id=pad_token_id,
             )
             bar.update()
@@ -230,8 +241,14 @@ def run_benchmark(
         for name in to_profile:
             bar.set_postfix_str(f"profiling {name}")
             profiles[name] = profile_step(
-                target, drafter, next(iter(encoded.values()))[0], name, builtin_drafter, max_new_tokens,
-                adaptive_draft_length, pad_token_id=pad_token_id,
+                target,
+                drafter,
+                next(iter(encoded.values()))[0],
+                name,
+                builtin_drafter,
+                max_new_tokens,
+                adaptive_draft_length,
+                pad_token_id=pad_token_id,
             )
             bar.update()
     finally:

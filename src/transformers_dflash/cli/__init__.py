@@ -141,8 +141,11 @@ def _add_command(parser_factory, name, module_name, add_name, run_name, help_tex
     add_arguments, run = getattr(module, add_name, None), getattr(module, run_name, None)
     if not callable(add_arguments) or not callable(run):
         return
-    sub = parser_factory(name, help=help_text, description=getattr(module, "DESCRIPTION", None) or (
-        help_text[:1].upper() + help_text[1:] + "."))
+    sub = parser_factory(
+        name,
+        help=help_text,
+        description=getattr(module, "DESCRIPTION", None) or (help_text[:1].upper() + help_text[1:] + "."),
+    )
     if with_options:
         add_arguments(sub)
     sub.set_defaults(_dflash_run=run)

@@ -20,19 +20,24 @@ from ..smollm2 import SHIPPED_DRAFTER
 def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The options of `dflash bench`."""
     parser.add_argument(
-        "--dataset", action="append", default=None,
+        "--dataset",
+        action="append",
+        default=None,
         help="mtbench, humaneval or a JSONL file of prompts (see transformers_dflash.data.load_jsonl_prompts); "
         "repeat the option for several (default: mtbench)",
     )
     parser.add_argument("--num-prompts", type=int, default=5, help="prompts per dataset")
     parser.add_argument(
-        "--prompt-selection", choices=["spread", "first"], default="spread",
+        "--prompt-selection",
+        choices=["spread", "first"],
+        default="spread",
         help="'spread': evenly spaced over the dataset (covers MT-Bench's categories); 'first': the first N",
     )
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most per prompt")
     parser.add_argument("--temperatures", default="0,1", help="comma-separated; 0 = greedy, >0 = sampling")
     parser.add_argument(
-        "--methods", default=",".join(DEFAULT_METHODS),
+        "--methods",
+        default=",".join(DEFAULT_METHODS),
         help=f"comma-separated among {', '.join(DEFAULT_METHODS + OPTIONAL_METHODS)}, or 'all'",
     )
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per method and prompt")
@@ -40,46 +45,70 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (the same for every method)")
     parser.add_argument("--target", default=None, help="a local causal LM folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument(
-        "--drafter", default=None,
+        "--drafter",
+        default=None,
         help=f"a DFlash drafter folder (default: {SHIPPED_DRAFTER} if present, else an UNTRAINED drafter)",
     )
-    parser.add_argument("--block-size", type=int, default=None, help="block size (default: the drafter's; 16 untrained)")
+    parser.add_argument(
+        "--block-size", type=int, default=None, help="block size (default: the drafter's; 16 untrained)"
+    )
     parser.add_argument("--drafter-layers", type=int, default=1, help="layers of an untrained drafter")
     parser.add_argument(
-        "--draft-length", default="auto",
+        "--draft-length",
+        default="auto",
         help="dflash_adaptive: drafter.draft_length, 'auto' or a confidence threshold in [0, 1]",
     )
     parser.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt lookup: tokens per draft")
     parser.add_argument("--early-exit-layer", type=int, default=None, help="early_exit: draft layers (default: L/4)")
-    parser.add_argument("--assistant-model", default=None, help="assistant: a smaller causal LM folder with the same vocabulary (default: none, the "
-                        "assistant method is skipped)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"], default=None,
-                        help="weights' dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    parser.add_argument(
+        "--assistant-model",
+        default=None,
+        help="assistant: a smaller causal LM folder with the same vocabulary (default: none, the "
+        "assistant method is skipped)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16", "float64"],
+        default=None,
+        help="weights' dtype (default: float32 on CPU, bfloat16 on CUDA)",
+    )
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     parser.add_argument("--attn-implementation", default="sdpa", help="eager, sdpa or flash_attention_2")
-    parser.add_argument("--threads", type=int, default=default_threads(), help="torch CPU threads (default: the cores this process may use)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=default_threads(),
+        help="torch CPU threads (default: the cores this process may use)",
+    )
     parser.add_argument("--output-dir", default="bench-results", help="where bench.json/.md/.png go")
     parser.add_argument("--name", default="bench", help="file name stem of the outputs")
-    parser.add_argument("--cache-dir", default=None, help="SmolLM2 converted-copy cache (default: as for `dflash demo`)")
+    parser.add_argument(
+        "--cache-dir", default=None, help="SmolLM2 converted-copy cache (default: as for `dflash demo`)"
+    )
     parser.add_argument("--no-draft-check", action="store_true", help="skip the ours-vs-built-in draft comparison")
     parser.add_argument(
-        "--profile", action="store_true",
+        "--profile",
+        action="store_true",
         help="also profile one greedy run of each DFlash path: time per step in draft / verify / cache / Python",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
-        "--quick", action="store_true",
+        "--quick",
+        action="store_true",
         help="tiny random target + drafter and random prompts: checks the whole pipeline in seconds (numbers mean "
         "nothing)",
     )
     parser.add_argument(
-        "--linear-kernels", default=None, metavar="ROWS",
+        "--linear-kernels",
+        default=None,
+        metavar="ROWS",
         help="comma-separated row counts, e.g. 1,2,4,8,16,32,64,128: instead of decoding, time one pass over the "
         "target's nn.Linear weights with F.linear and with skinny_linear (the CPU verification kernel) at these row "
         "counts (writes <name>-linear.json/.md; default: off)",
     )
     parser.add_argument(
-        "--batch-sizes", default=None,
+        "--batch-sizes",
+        default=None,
         help="comma-separated, e.g. 1,4,8,16: instead of the per-prompt comparison, measure batched throughput (greedy) "
         "of plain generate() vs DFlash at these batch sizes (writes <name>-batch.json/.md; default: off)",
     )
@@ -95,8 +124,16 @@ def _quick_models(dtype, device, block_size: int | None):
     from ..modeling_dflash import DFlashDraftModel
 
     config = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
         pad_token_id=0,
     )
     torch.manual_seed(0)
@@ -121,8 +158,10 @@ def _requested_methods(args) -> list[str]:
     methods = list(DEFAULT_METHODS + OPTIONAL_METHODS) if args.methods == "all" else _comma_list(args.methods)
     unknown = [m for m in methods if m not in DEFAULT_METHODS + OPTIONAL_METHODS]
     if unknown:
-        raise SystemExit(f"dflash bench: unknown method(s) {unknown}; choose from "
-                         f"{', '.join(DEFAULT_METHODS + OPTIONAL_METHODS)} or 'all'.")
+        raise SystemExit(
+            f"dflash bench: unknown method(s) {unknown}; choose from "
+            f"{', '.join(DEFAULT_METHODS + OPTIONAL_METHODS)} or 'all'."
+        )
     return methods
 
 
@@ -137,9 +176,11 @@ def _load_target(args, dtype, dtype_name: str, device: str):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(args.target)
-        target = AutoModelForCausalLM.from_pretrained(
-            args.target, dtype=dtype, attn_implementation=args.attn_implementation
-        ).to(device).eval()
+        target = (
+            AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype, attn_implementation=args.attn_implementation)
+            .to(device)
+            .eval()
+        )
         name = args.target
     else:
         from ..smollm2 import SmolLM2NotAvailableError, load_smollm2
@@ -182,8 +223,9 @@ def run_bench(args: argparse.Namespace) -> int:
     dtype = getattr(torch, dtype_name)
     temperatures = _comma_list(args.temperatures, float)
     if args.max_new_tokens < 1 or args.num_prompts < 1 or args.repeats < 1 or args.warmup < 0 or not temperatures:
-        raise SystemExit("dflash bench: need --max-new-tokens, --num-prompts, --repeats >= 1, --warmup >= 0 and a "
-                         "temperature.")
+        raise SystemExit(
+            "dflash bench: need --max-new-tokens, --num-prompts, --repeats >= 1, --warmup >= 0 and a temperature."
+        )
     try:
         adaptive_setting = parse_draft_length(args.draft_length)
     except ValueError as error:
@@ -209,22 +251,52 @@ def run_bench(args: argparse.Namespace) -> int:
             assistant = AutoModelForCausalLM.from_pretrained(args.assistant_model, dtype=dtype).to(device).eval()
         datasets, prompt_indices = _load_datasets(args)
     if not trained:
-        print(f"\nNOTE: {UNTRAINED_NOTE}\n      A trained SmolLM2 drafter is expected at {SHIPPED_DRAFTER}.\n",
-              file=sys.stderr)
+        print(
+            f"\nNOTE: {UNTRAINED_NOTE}\n      A trained SmolLM2 drafter is expected at {SHIPPED_DRAFTER}.\n",
+            file=sys.stderr,
+        )
     if args.linear_kernels:
         return _run_linear_command(args, target, target_name, dtype_name, device)
     if args.batch_sizes:
-        return _run_batch_command(args, target, drafter, tokenizer, datasets, adaptive_setting, description,
-                                  target_name, dtype_name, device)
+        return _run_batch_command(
+            args, target, drafter, tokenizer, datasets, adaptive_setting, description, target_name, dtype_name, device
+        )
     return _run_single_stream_command(
-        args, target, drafter, tokenizer, datasets, methods, temperatures, assistant, adaptive_setting, description,
-        trained, {"target": target_name, "dtype": dtype_name, "attn_implementation": args.attn_implementation,
-                  "prompt_selection": args.prompt_selection, "prompt_indices": prompt_indices},
+        args,
+        target,
+        drafter,
+        tokenizer,
+        datasets,
+        methods,
+        temperatures,
+        assistant,
+        adaptive_setting,
+        description,
+        trained,
+        {
+            "target": target_name,
+            "dtype": dtype_name,
+            "attn_implementation": args.attn_implementation,
+            "prompt_selection": args.prompt_selection,
+            "prompt_indices": prompt_indices,
+        },
     )
 
 
-def _run_single_stream_command(args, target, drafter, tokenizer, datasets, methods, temperatures, assistant,
-                               adaptive_setting, description, trained, settings) -> int:
+def _run_single_stream_command(
+    args,
+    target,
+    drafter,
+    tokenizer,
+    datasets,
+    methods,
+    temperatures,
+    assistant,
+    adaptive_setting,
+    description,
+    trained,
+    settings,
+) -> int:
     """`dflash bench`: every method on every prompt, one prompt per call; the report as JSON, Markdown and PNG."""
     from ..bench.report import format_markdown, write_report
     from ..bench.single_stream import run_benchmark
@@ -259,14 +331,16 @@ def _run_single_stream_command(args, target, drafter, tokenizer, datasets, metho
 
 def _environment_header(env: dict, what: str, *lines: str) -> str:
     """The Markdown header of the `--linear-kernels` / `--batch-sizes` reports: command, models, machine, versions."""
-    return "\n".join([
-        f"- command: `{env.get('command', '')}`",
-        f"- {what}; {env.get('device')} ({env.get('gpu') or env.get('cpu')}), {env.get('torch_threads')} torch "
-        "thread(s)",
-        *lines,
-        f"- torch {env.get('torch')}, transformers {env.get('transformers')}, commit "
-        f"{str((env.get('git') or {}).get('commit'))[:10]}",
-    ])
+    return "\n".join(
+        [
+            f"- command: `{env.get('command', '')}`",
+            f"- {what}; {env.get('device')} ({env.get('gpu') or env.get('cpu')}), {env.get('torch_threads')} torch "
+            "thread(s)",
+            *lines,
+            f"- torch {env.get('torch')}, transformers {env.get('transformers')}, commit "
+            f"{str((env.get('git') or {}).get('commit'))[:10]}",
+        ]
+    )
 
 
 def _write_mode_report(out: Path, stem: str, report: dict, markdown: str) -> None:
@@ -290,19 +364,24 @@ def _run_linear_command(args, target, target_name, dtype_name, device) -> int:
     except ValueError:
         row_counts = []
     if not row_counts or min(row_counts) < 1:
-        raise SystemExit(f"dflash bench: --linear-kernels must be positive row counts like 1,2,4,8, got "
-                         f"{args.linear_kernels!r}.")
+        raise SystemExit(
+            f"dflash bench: --linear-kernels must be positive row counts like 1,2,4,8, got {args.linear_kernels!r}."
+        )
     rows = run_linear_benchmark(target, row_counts, repeats=max(args.repeats, 5), warmup=max(args.warmup, 1))
     env = environment(device)
     markdown = format_linear_markdown(rows, _environment_header(env, f"model: {target_name}; dtype {dtype_name}"))
-    report = {"settings": {"row_counts": row_counts, "target": target_name, "dtype": dtype_name}, "environment": env,
-              "rows": rows}
+    report = {
+        "settings": {"row_counts": row_counts, "target": target_name, "dtype": dtype_name},
+        "environment": env,
+        "rows": rows,
+    }
     _write_mode_report(Path(args.output_dir), f"{args.name}-linear", report, markdown)
     return 0
 
 
-def _run_batch_command(args, target, drafter, tokenizer, datasets, adaptive_setting, description, target_name,
-                       dtype_name, device) -> int:
+def _run_batch_command(
+    args, target, drafter, tokenizer, datasets, adaptive_setting, description, target_name, dtype_name, device
+) -> int:
     """`dflash bench --batch-sizes ...`: batched throughput over the prompts of all datasets, in order."""
     from ..bench.batched import format_batch_markdown, run_batch_benchmark
     from ..bench.report import environment
@@ -323,18 +402,36 @@ def _run_batch_command(args, target, drafter, tokenizer, datasets, adaptive_sett
     prompts = [encode_prompt(tokenizer, p, device)[0] for ps in datasets.values() for p in ps]
     pad_token_id = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
     rows = run_batch_benchmark(
-        target, drafter, prompts, batch_sizes=batch_sizes, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-        warmup=args.warmup, pad_token_id=pad_token_id,
-        adaptive_draft_length=adaptive_setting, progress=not args.no_progress, methods=batch_methods,
+        target,
+        drafter,
+        prompts,
+        batch_sizes=batch_sizes,
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        pad_token_id=pad_token_id,
+        adaptive_draft_length=adaptive_setting,
+        progress=not args.no_progress,
+        methods=batch_methods,
     )
     env = environment(device)
     header = _environment_header(
-        env, f"target: {target_name}; drafter: {description}; dtype {dtype_name}",
+        env,
+        f"target: {target_name}; drafter: {description}; dtype {dtype_name}",
         f"- prompts: {', '.join(f'{k} ({len(v)})' for k, v in datasets.items())}, cycled to fill each batch; "
         f"max new tokens {args.max_new_tokens}; repeats {args.repeats}; warm-up {args.warmup}",
     )
     markdown = format_batch_markdown(rows, header)
-    report = {"settings": {"batch_sizes": batch_sizes, "max_new_tokens": args.max_new_tokens, "target": target_name,
-                           "drafter": description, "dtype": dtype_name}, "environment": env, "rows": rows}
+    report = {
+        "settings": {
+            "batch_sizes": batch_sizes,
+            "max_new_tokens": args.max_new_tokens,
+            "target": target_name,
+            "drafter": description,
+            "dtype": dtype_name,
+        },
+        "environment": env,
+        "rows": rows,
+    }
     _write_mode_report(Path(args.output_dir), f"{args.name}-batch", report, markdown)
     return 0

@@ -180,8 +180,12 @@ def _greedy_kwargs(tokenizer, input_ids, max_new_tokens: int) -> dict:
     import torch
 
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return dict(attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False,
-                pad_token_id=pad_token_id)
+    return dict(
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=pad_token_id,
+    )
 
 
 def _stream_answer(target, tokenizer, drafter, prompt, input_ids, common: dict, stream: bool, out):
@@ -228,8 +232,13 @@ def run_demo(
     streamed = _stream_answer(target, tokenizer, drafter, prompt, input_ids, common, stream, out)
     response = tokenizer.decode(streamed[0, prompt_len:], skip_special_tokens=True)
 
-    result = DemoResult(prompt_tokens=prompt_len, response=response, drafter_description=drafter_description,
-                        threads=threads, busy=list(busy or []))
+    result = DemoResult(
+        prompt_tokens=prompt_len,
+        response=response,
+        drafter_description=drafter_description,
+        threads=threads,
+        busy=list(busy or []),
+    )
     print(
         f"\nTiming plain generate() vs DFlash: greedy, {max_new_tokens} new tokens at most, "
         f"1 warm-up + {repeats} timed run(s) each, interleaved...",
@@ -311,8 +320,12 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     """The options of `dflash demo`."""
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message to answer")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
-    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
-                        help="timed runs of each method, interleaved (after one warm-up each)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=DEFAULT_REPEATS,
+        help="timed runs of each method, interleaved (after one warm-up each)",
+    )
     parser.add_argument(
         "--drafter",
         default=None,
@@ -320,14 +333,14 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "else an untrained one)",
     )
     parser.add_argument(
-        "--threads", type=int, default=None,
+        "--threads",
+        type=int,
+        default=None,
         help="CPU threads for torch, the same for both methods (default: the fastest for plain generate() among "
         f"{', '.join(map(str, thread_candidates(default_threads())))}, measured first)",
     )
     parser.add_argument("--device", default=None, help="e.g. cpu or cuda (default: cuda when available, else cpu)")
-    parser.add_argument(
-        "--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="weights' dtype"
-    )
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="weights' dtype")
     parser.add_argument(
         "--cache-dir",
         default=None,
@@ -376,8 +389,9 @@ def _check_arguments(args: argparse.Namespace, device: str):
     from ..ngram_lookup import check_ngram_lookup
 
     if not args.prompt.strip():
-        raise SystemExit('dflash demo: --prompt is empty; give the message to answer, e.g. --prompt "Write a haiku '
-                         'about rain."')
+        raise SystemExit(
+            'dflash demo: --prompt is empty; give the message to answer, e.g. --prompt "Write a haiku about rain."'
+        )
     if args.max_new_tokens < 1 or args.repeats < 0:
         raise SystemExit("dflash demo: --max-new-tokens must be >= 1 and --repeats >= 0.")
     if args.threads is not None and args.threads < 1:
@@ -404,8 +418,11 @@ def _choose_threads(args, target, tokenizer, device: str) -> tuple[int, str]:
     if len(candidates) == 1:
         torch.set_num_threads(1)
         return 1, "1 (this process may use one core)"
-    print(f"Choosing the thread count: plain generate() of {PROBE_TOKENS} tokens with "
-          f"{', '.join(map(str, candidates))} thread(s)...", flush=True)
+    print(
+        f"Choosing the thread count: plain generate() of {PROBE_TOKENS} tokens with "
+        f"{', '.join(map(str, candidates))} thread(s)...",
+        flush=True,
+    )
     rates = fastest_threads(target, tokenizer, args.prompt, candidates)
     best = max(rates, key=rates.get)
     measured = ", ".join(f"{n}: {rate:.1f}" for n, rate in rates.items())

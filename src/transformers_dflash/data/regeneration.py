@@ -10,9 +10,10 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable, Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -59,20 +60,35 @@ def _context_limit(target: Any, tokenizer: Any) -> int | None:
 
 
 def _chat_messages(prompt: str, system_prompt: str | None) -> list[dict]:
-    return ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
-        [{"role": "user", "content": prompt}]
+    return ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+        {"role": "user", "content": prompt}
+    ]
 
 
-def _chat_token_ids(tokenizer: Any, prompt: str, system_prompt: str | None, chat_template: str | None,
-                    chat_template_kwargs: dict | None) -> list[int]:
+def _chat_token_ids(
+    tokenizer: Any, prompt: str, system_prompt: str | None, chat_template: str | None, chat_template_kwargs: dict | None
+) -> list[int]:
     messages = _chat_messages(prompt, system_prompt)
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                         chat_template=chat_template, **(chat_template_kwargs or {}))
+    text = tokenizer.apply_chat_template(
+        messages,
+        add_generation_prompt=True,
+        tokenize=False,
+        chat_template=chat_template,
+        **(chat_template_kwargs or {}),
+    )
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _generation_config(target: Any, max_new_tokens: int, do_sample: bool, temperature: float, top_p: float | None,
-                       top_k: int | None, pad_id: int, eos_ids: list[int]) -> Any:
+def _generation_config(
+    target: Any,
+    max_new_tokens: int,
+    do_sample: bool,
+    temperature: float,
+    top_p: float | None,
+    top_k: int | None,
+    pad_id: int,
+    eos_ids: list[int],
+) -> Any:
     """The target's own generation config with the regeneration settings applied (one object, no extra kwargs)."""
     from transformers import GenerationConfig
 
@@ -146,8 +162,15 @@ class _Progress:
             self.bar.close()
 
 
-def _check_regenerate_arguments(prompts: Sequence[str], max_new_tokens: int, batch_size: int, shard_size: int,
-                                do_sample: bool, temperature: float, shard_format: str) -> None:
+def _check_regenerate_arguments(
+    prompts: Sequence[str],
+    max_new_tokens: int,
+    batch_size: int,
+    shard_size: int,
+    do_sample: bool,
+    temperature: float,
+    shard_format: str,
+) -> None:
     if isinstance(prompts, str) or not isinstance(prompts, Sequence):
         raise TypeError("prompts must be a sequence of strings")
     if not prompts:
@@ -192,11 +215,14 @@ def _shard_bytes(records: list[dict], prompt_indices: list[int], shard_format: s
 
 def _shard_info(path: Path, records: list[dict], data: bytes, skipped_empty: int, skipped_long: int) -> dict:
     return {
-        "file": path.name, "examples": len(records),
+        "file": path.name,
+        "examples": len(records),
         "tokens": sum(r["input_ids"].numel() for r in records),
         "response_tokens": sum(int(r["loss_mask"].sum()) for r in records),
-        "skipped_empty": skipped_empty, "skipped_too_long": skipped_long,
-        "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
+        "skipped_empty": skipped_empty,
+        "skipped_too_long": skipped_long,
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "bytes": len(data),
     }
 
 
@@ -206,18 +232,29 @@ def _check_responses(responses: Any, expected: int, max_new_tokens: int, engine:
 
     name = getattr(engine, "name", type(engine).__name__)
     if not isinstance(responses, list) or len(responses) != expected:
-        raise EngineError(f"engine {name} returned {len(responses) if isinstance(responses, list) else responses!r} "
-                          f"responses for {expected} prompts")
+        raise EngineError(
+            f"engine {name} returned {len(responses) if isinstance(responses, list) else responses!r} "
+            f"responses for {expected} prompts"
+        )
     for r in responses:
         if not isinstance(r, list) or not r or len(r) > max_new_tokens or not all(isinstance(t, int) for t in r):
-            raise EngineError(f"engine {name} returned a malformed response (expected 1..{max_new_tokens} token ids): "
-                              f"{str(r)[:80]}")
+            raise EngineError(
+                f"engine {name} returned a malformed response (expected 1..{max_new_tokens} token ids): {str(r)[:80]}"
+            )
     return responses
 
 
-def default_engine(target: Any, tokenizer: Any, *, batch_size: int = 16, do_sample: bool = False,
-                   temperature: float = 1.0, top_p: float | None = None, top_k: int | None = None,
-                   max_new_tokens: int = 256) -> Any:
+def default_engine(
+    target: Any,
+    tokenizer: Any,
+    *,
+    batch_size: int = 16,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    max_new_tokens: int = 256,
+) -> Any:
     """The transformers engine for `target` with the regeneration settings (greedy unless `do_sample`)."""
     from .engines import TransformersEngine
 
@@ -289,12 +326,22 @@ def regenerate(
             "--chat-template FILE`, or set tokenizer.chat_template before calling."
         )
     if engine is None:
-        engine = default_engine(target, tokenizer, batch_size=batch_size, do_sample=do_sample,
-                                temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens)
+        engine = default_engine(
+            target,
+            tokenizer,
+            batch_size=batch_size,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            max_new_tokens=max_new_tokens,
+        )
     elif do_sample and not getattr(engine, "do_sample", False):
-        raise ValueError(f"do_sample=True, but the {engine.name} engine given decodes greedily: sampling is done by the "
-                         "transformers engine (leave engine=None, or pass a TransformersEngine whose generation_config "
-                         "samples)")
+        raise ValueError(
+            f"do_sample=True, but the {engine.name} engine given decodes greedily: sampling is done by the "
+            "transformers engine (leave engine=None, or pass a TransformersEngine whose generation_config "
+            "samples)"
+        )
 
     empty = [i for i, p in enumerate(prompts) if not p.strip()]
     if len(empty) == len(prompts):
@@ -344,8 +391,7 @@ def regenerate(
                 "directory, or delete this one to start over (rerun with identical arguments to resume)."
             )
         if target_name and manifest.get("target") not in (None, target_name):
-            logger.warning("resuming %s made with target %r using target %r", out_dir, manifest["target"],
-                           target_name)
+            logger.warning("resuming %s made with target %r using target %r", out_dir, manifest["target"], target_name)
     else:
         manifest = {
             "format": FORMAT_NAME,
@@ -359,22 +405,33 @@ def regenerate(
             "shards": {},
         }
     manifest["settings"]["engine"] = engine_settings
-    manifest.update(num_shards=num_shards, batch_size=int(engine.runtime().get("batch_size") or batch_size),
-                    shard_format=shard_format,
-                    engine_runtime=engine.runtime(), versions=_versions())
+    manifest.update(
+        num_shards=num_shards,
+        batch_size=int(engine.runtime().get("batch_size") or batch_size),
+        shard_format=shard_format,
+        engine_runtime=engine.runtime(),
+        versions=_versions(),
+    )
     shards_info: dict = manifest.setdefault("shards", {})
 
     def finalize() -> None:
-        totals = {k: sum(s[k] for s in shards_info.values())
-                  for k in ("examples", "tokens", "response_tokens", "skipped_empty", "skipped_too_long")}
-        manifest.update(shards_done=len(shards_info), complete=len(shards_info) == num_shards, totals=totals,
-                        engine_runtime=engine.runtime(),
-                        updated=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        totals = {
+            k: sum(s[k] for s in shards_info.values())
+            for k in ("examples", "tokens", "response_tokens", "skipped_empty", "skipped_too_long")
+        }
+        manifest.update(
+            shards_done=len(shards_info),
+            complete=len(shards_info) == num_shards,
+            totals=totals,
+            engine_runtime=engine.runtime(),
+            updated=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        )
 
     def write_manifest() -> None:
         finalize()
-        _atomic_write(out_dir / MANIFEST_NAME, json.dumps(manifest, indent=1).encode("utf-8"), "the manifest",
-                      len(shards_info))
+        _atomic_write(
+            out_dir / MANIFEST_NAME, json.dumps(manifest, indent=1).encode("utf-8"), "the manifest", len(shards_info)
+        )
 
     def encode_shard(s: int) -> tuple[list[tuple[int, list[int]]], int, int]:
         """(prompt index, chat-formatted token ids) of shard `s`'s usable prompts, and the skipped counts."""
@@ -426,20 +483,39 @@ def regenerate(
                 break
             encoded, skipped_empty, skipped_long = encode_shard(s)
             if skipped_long:
-                logger.warning("shard %d: %d prompt(s) skipped: prompt + max_new_tokens (%d) exceeds the context limit "
-                               "(%d tokens)", s, skipped_long, max_new_tokens, limit)
+                logger.warning(
+                    "shard %d: %d prompt(s) skipped: prompt + max_new_tokens (%d) exceeds the context limit "
+                    "(%d tokens)",
+                    s,
+                    skipped_long,
+                    max_new_tokens,
+                    limit,
+                )
             try:
-                responses = engine.generate([ids for _, ids in encoded], max_new_tokens,
-                                            seed=seed * 1_000_003 + s,
-                                            on_batch=lambda n, tokens: bar.update(n, tokens, s)) if encoded else []
+                responses = (
+                    engine.generate(
+                        [ids for _, ids in encoded],
+                        max_new_tokens,
+                        seed=seed * 1_000_003 + s,
+                        on_batch=lambda n, tokens: bar.update(n, tokens, s),
+                    )
+                    if encoded
+                    else []
+                )
             except EngineError as e:
-                raise type(e)(f"{e}\nShard {s} was not written; the {len(shards_info)} shard(s) finished in {out_dir} "
-                              "are kept, and rerunning the same command resumes from there.") from e
+                raise type(e)(
+                    f"{e}\nShard {s} was not written; the {len(shards_info)} shard(s) finished in {out_dir} "
+                    "are kept, and rerunning the same command resumes from there."
+                ) from e
             responses = _check_responses(responses, len(encoded), max_new_tokens, engine)
             bar.update(skipped_empty + skipped_long, 0, s)
-            records = [{"input_ids": torch.tensor(ids + resp, dtype=torch.long),
-                        "loss_mask": torch.tensor([False] * len(ids) + [True] * len(resp), dtype=torch.bool)}
-                       for (_, ids), resp in zip(encoded, responses)]
+            records = [
+                {
+                    "input_ids": torch.tensor(ids + resp, dtype=torch.long),
+                    "loss_mask": torch.tensor([False] * len(ids) + [True] * len(resp), dtype=torch.bool),
+                }
+                for (_, ids), resp in zip(encoded, responses)
+            ]
             data = _shard_bytes(records, [i for i, _ in encoded], shard_format)
             path = out_dir / (PARQUET_SHARD_NAME if shard_format == "parquet" else SHARD_NAME).format(s)
             _atomic_write(path, data, "shard", len(shards_info))
@@ -454,10 +530,20 @@ def regenerate(
 
     totals = manifest["totals"]
     elapsed = time.perf_counter() - bar.start
-    logger.info("%s: %d/%d shards, %d examples, %d response tokens (%.1f tok/s this run)", out_dir,
-                manifest["shards_done"], num_shards, totals["examples"], totals["response_tokens"],
-                bar.tokens / max(elapsed, 1e-9))
+    logger.info(
+        "%s: %d/%d shards, %d examples, %d response tokens (%.1f tok/s this run)",
+        out_dir,
+        manifest["shards_done"],
+        num_shards,
+        totals["examples"],
+        totals["response_tokens"],
+        bar.tokens / max(elapsed, 1e-9),
+    )
     if totals["skipped_too_long"] or totals["skipped_empty"]:
-        logger.warning("%s: skipped %d prompt(s) too long for the context limit and %d empty prompt(s)", out_dir,
-                       totals["skipped_too_long"], totals["skipped_empty"])
+        logger.warning(
+            "%s: skipped %d prompt(s) too long for the context limit and %d empty prompt(s)",
+            out_dir,
+            totals["skipped_too_long"],
+            totals["skipped_empty"],
+        )
     return manifest

@@ -9,8 +9,9 @@ import json
 import logging
 import os
 import re
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -31,23 +32,36 @@ FORMAT_VERSION = 1
 
 
 def _delete_hint(path: Path) -> str:
-    return (f"Delete {path} and rerun the same `dflash regenerate` command: only the missing shards are regenerated, "
-            "finished ones are kept.")
+    return (
+        f"Delete {path} and rerun the same `dflash regenerate` command: only the missing shards are regenerated, "
+        "finished ones are kept."
+    )
 
 
 def _check_records(records: Any, path: Path) -> list[dict]:
     if not isinstance(records, list):
         raise ShardCorruptedError(f"Shard {path} does not hold a list of examples. {_delete_hint(path)}")
     for i, rec in enumerate(records):
-        ok = isinstance(rec, dict) and isinstance(rec.get("input_ids"), torch.Tensor) \
+        ok = (
+            isinstance(rec, dict)
+            and isinstance(rec.get("input_ids"), torch.Tensor)
             and isinstance(rec.get("loss_mask"), torch.Tensor)
+        )
         if ok:
             ids, mask = rec["input_ids"], rec["loss_mask"]
-            ok = (ids.dim() == 1 and mask.dim() == 1 and ids.shape == mask.shape and ids.dtype == torch.long
-                  and mask.dtype == torch.bool and bool(mask.any()))
+            ok = (
+                ids.dim() == 1
+                and mask.dim() == 1
+                and ids.shape == mask.shape
+                and ids.dtype == torch.long
+                and mask.dtype == torch.bool
+                and bool(mask.any())
+            )
         if not ok:
-            raise ShardCorruptedError(f"Shard {path}: example {i} is malformed (expected input_ids LongTensor[L] and "
-                                      f"loss_mask BoolTensor[L] with response tokens). {_delete_hint(path)}")
+            raise ShardCorruptedError(
+                f"Shard {path}: example {i} is malformed (expected input_ids LongTensor[L] and "
+                f"loss_mask BoolTensor[L] with response tokens). {_delete_hint(path)}"
+            )
     return records
 
 
@@ -56,9 +70,11 @@ def _import_pyarrow() -> Any:
         import pyarrow
         import pyarrow.parquet  # noqa: F401
     except ImportError:
-        raise DataError(f"Parquet shards need pyarrow, which is not installed. Install it with:\n    {PARQUET_INSTALL}\n"
-                        "(or `pip install transformers-dflash[train]`), or write the original format with "
-                        "--format pt.") from None
+        raise DataError(
+            f"Parquet shards need pyarrow, which is not installed. Install it with:\n    {PARQUET_INSTALL}\n"
+            "(or `pip install transformers-dflash[train]`), or write the original format with "
+            "--format pt."
+        ) from None
     return pyarrow
 
 
@@ -90,7 +106,7 @@ def _list_column(table: Any, name: str, dtype: torch.dtype, path: Path) -> list[
     flat = torch.from_numpy(np.array(values)).to(dtype)  # a writable copy
     sizes = (offsets[1:] - offsets[:-1]).tolist()
     # clones, not views: a saved example must not carry the whole shard's storage with it
-    return [t.clone() for t in torch.split(flat[offsets[0]:offsets[-1]], sizes)] if sizes else []
+    return [t.clone() for t in torch.split(flat[offsets[0] : offsets[-1]], sizes)] if sizes else []
 
 
 def _parquet_records(data: bytes, path: Path) -> list[dict]:
@@ -98,14 +114,17 @@ def _parquet_records(data: bytes, path: Path) -> list[dict]:
     try:
         table = pa.parquet.read_table(pa.BufferReader(data))
     except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for damaged files
-        raise ShardCorruptedError(f"Shard {path} is not a readable Parquet file ({type(e).__name__}: "
-                                  f"{str(e).splitlines()[0] if str(e) else ''}). {_delete_hint(path)}") from e
+        raise ShardCorruptedError(
+            f"Shard {path} is not a readable Parquet file ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}). {_delete_hint(path)}"
+        ) from e
     expected = {"input_ids": pa.list_(pa.int32()), "loss_mask": pa.list_(pa.bool_())}
     for name, kind in expected.items():
         field_ = table.schema.field(name) if name in table.schema.names else None
         if field_ is None or not (pa.types.is_list(field_.type) or pa.types.is_large_list(field_.type)):
-            raise ShardCorruptedError(f"Shard {path} lacks the column '{name}' ({kind}); columns: "
-                                      f"{table.schema.names}. {_delete_hint(path)}")
+            raise ShardCorruptedError(
+                f"Shard {path} lacks the column '{name}' ({kind}); columns: {table.schema.names}. {_delete_hint(path)}"
+            )
     ids = _list_column(table, "input_ids", torch.long, path)
     masks = _list_column(table, "loss_mask", torch.bool, path)
     return [{"input_ids": i, "loss_mask": m} for i, m in zip(ids, masks)]
@@ -124,15 +143,19 @@ def load_shard(path: str | os.PathLike, expected_sha256: str | None = None) -> l
     except OSError as e:
         raise ShardCorruptedError(f"Shard {path} cannot be read ({e}). {_delete_hint(path)}") from e
     if expected_sha256 is not None and hashlib.sha256(data).hexdigest() != expected_sha256:
-        raise ShardCorruptedError(f"Shard {path} does not match the checksum in {MANIFEST_NAME} (partial or modified "
-                                  f"file). {_delete_hint(path)}")
+        raise ShardCorruptedError(
+            f"Shard {path} does not match the checksum in {MANIFEST_NAME} (partial or modified "
+            f"file). {_delete_hint(path)}"
+        )
     if path.suffix == ".parquet":
         return _check_records(_parquet_records(data, path), path)
     try:
         records = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises several types for truncated zip archives / pickles
-        raise ShardCorruptedError(f"Shard {path} is corrupted or incomplete ({type(e).__name__}: "
-                                  f"{str(e).splitlines()[0] if str(e) else ''}). {_delete_hint(path)}") from e
+        raise ShardCorruptedError(
+            f"Shard {path} is corrupted or incomplete ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}). {_delete_hint(path)}"
+        ) from e
     return _check_records(records, path)
 
 
@@ -143,8 +166,10 @@ def read_manifest(data_dir: str | os.PathLike) -> dict | None:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
-        raise DataError(f"{path} is unreadable ({e}). Delete it and rerun `dflash regenerate` with the same "
-                        "arguments: existing shards are checked and kept.") from e
+        raise DataError(
+            f"{path} is unreadable ({e}). Delete it and rerun `dflash regenerate` with the same "
+            "arguments: existing shards are checked and kept."
+        ) from e
 
 
 def list_shards(data_dir: str | os.PathLike) -> list[Path]:
@@ -165,8 +190,12 @@ def iter_regenerated_examples(data_dir: str | os.PathLike, verify: bool = True) 
     manifest = read_manifest(data_dir)
     shard_info = (manifest or {}).get("shards", {})
     if manifest is not None and not manifest.get("complete", False):
-        logger.warning("%s: regeneration is incomplete (%s of %s shards); using the finished shards",
-                       data_dir, manifest.get("shards_done"), manifest.get("num_shards"))
+        logger.warning(
+            "%s: regeneration is incomplete (%s of %s shards); using the finished shards",
+            data_dir,
+            manifest.get("shards_done"),
+            manifest.get("num_shards"),
+        )
     for path in list_shards(data_dir):
         info = shard_info.get(path.stem.split("-")[1]) if verify else None
         yield from load_shard(path, expected_sha256=info.get("sha256") if info else None)

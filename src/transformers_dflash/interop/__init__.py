@@ -33,6 +33,7 @@ target), `weights` (safetensors only), `released`, `speculators` (each format's 
 `transformers_dflash.cli.export` and `.convert`.
 """
 
+from ..model_card import CardMetadata
 from .check import check_layout, code_import_problems
 from .convert import card_info, convert_drafter
 from .export import export_drafter
@@ -42,7 +43,6 @@ from .released import released_config
 from .speculators import speculators_config, speculators_to_dflash_config
 from .target import TargetInfo, target_info
 from .weights import expected_tensor_names
-from ..model_card import CardMetadata
 
 __all__ = [
     "LAYOUTS",

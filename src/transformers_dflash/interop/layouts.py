@@ -26,7 +26,7 @@ def read_config(folder: Path) -> dict:
 
 
 def detect_layout(folder: str | os.PathLike) -> str:
-    """"hub", "released" or "speculators", from the folder's config.json."""
+    """ "hub", "released" or "speculators", from the folder's config.json."""
     content = read_config(Path(folder))
     if "speculators_model_type" in content:
         return "speculators"

@@ -124,8 +124,18 @@ def _decoder_kwargs_from_transformers_config(raw: dict) -> dict:
     from transformers import AutoConfig
 
     model_type = raw.get("model_type", "qwen3")
-    skipped = {"model_type", "rope_theta", "rope_scaling", "rope_parameters", "architectures", "auto_map",
-               "transformers_version", "dtype", "torch_dtype", "_name_or_path"}
+    skipped = {
+        "model_type",
+        "rope_theta",
+        "rope_scaling",
+        "rope_parameters",
+        "architectures",
+        "auto_map",
+        "transformers_version",
+        "dtype",
+        "torch_dtype",
+        "_name_or_path",
+    }
     try:
         decoder = AutoConfig.for_model(model_type, **{k: v for k, v in raw.items() if k not in skipped})
     except (KeyError, ValueError) as error:

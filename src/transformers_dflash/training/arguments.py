@@ -14,37 +14,61 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     """The options of `dflash train`; their names are the fields of `TrainingConfig`."""
     d = TrainingConfig()
     parser.add_argument("--target", default=d.target, help='target model path or hub id, or "smollm2"')
-    parser.add_argument("--data", required=True,
-                        help="directory of shard-XXXXX.parquet or .pt files (format: see transformers_dflash.training)")
+    parser.add_argument(
+        "--data",
+        required=True,
+        help="directory of shard-XXXXX.parquet or .pt files (format: see transformers_dflash.training)",
+    )
     parser.add_argument("--output", required=True, help="checkpoints, final drafter, log.jsonl; resumes from here")
     parser.add_argument("--val-data", default=None, help="shards of validation prompts (default: held-out training)")
     parser.add_argument("--num-layers", type=int, default=d.num_layers, help="drafter layers")
-    parser.add_argument("--block-size", type=int, default=d.block_size)
+    parser.add_argument("--block-size", type=int, default=d.block_size, help="tokens per draft block, anchor included")
     parser.add_argument("--mask-token-id", type=int, default=None, help="default: last row of the target's embeddings")
     parser.add_argument("--target-layer-ids", type=int, nargs="+", default=None, help="default: DFlash's spread")
-    parser.add_argument("--num-target-features", type=int, default=d.num_target_features)
-    parser.add_argument("--draft-vocab-size", type=int, default=None,
-                        help="draft only from the N most frequent response tokens of the data (default: all tokens)")
+    parser.add_argument(
+        "--num-target-features", type=int, default=d.num_target_features, help="target layers feeding the drafter"
+    )
+    parser.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=None,
+        help="draft only from the N most frequent response tokens of the data (default: all tokens)",
+    )
     parser.add_argument("--num-anchors", type=int, default=d.num_anchors, help="blocks per sequence")
     parser.add_argument("--gamma", type=float, default=None, help="loss decay (default: 7 for block 16, 5 for 10)")
     parser.add_argument("--max-length", type=int, default=d.max_length, help="truncate sequences to this many tokens")
     parser.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per process and micro-batch")
     parser.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per optimizer step")
-    parser.add_argument("--epochs", type=float, default=d.epochs)
+    parser.add_argument("--epochs", type=float, default=d.epochs, help="passes over the data")
     parser.add_argument("--max-steps", type=int, default=None, help="optimizer steps (overrides --epochs)")
-    parser.add_argument("--lr", type=float, default=d.lr)
-    parser.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    parser.add_argument("--warmup-ratio", type=float, default=d.warmup_ratio)
-    parser.add_argument("--grad-clip", type=float, default=d.grad_clip)
-    parser.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default=d.mixed_precision)
-    parser.add_argument("--target-dtype", choices=["auto", "bfloat16", "float16", "float32"], default=d.target_dtype)
+    parser.add_argument("--lr", type=float, default=d.lr, help="peak AdamW learning rate (cosine schedule)")
+    parser.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay")
+    parser.add_argument(
+        "--warmup-ratio", type=float, default=d.warmup_ratio, help="share of the steps spent warming up"
+    )
+    parser.add_argument("--grad-clip", type=float, default=d.grad_clip, help="gradient norm clipping")
+    parser.add_argument(
+        "--mixed-precision", choices=["no", "bf16", "fp16"], default=d.mixed_precision, help="autocast on GPU"
+    )
+    parser.add_argument(
+        "--target-dtype",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        default=d.target_dtype,
+        help="dtype the frozen target is loaded in",
+    )
     parser.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N optimizer steps")
-    parser.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
+    parser.add_argument(
+        "--keep-checkpoints", type=int, default=d.keep_checkpoints, help="checkpoints kept on disk (oldest removed)"
+    )
     parser.add_argument("--eval-every", type=int, default=d.eval_every, help="validate every N optimizer steps")
-    parser.add_argument("--num-val-prompts", type=int, default=d.num_val_prompts)
-    parser.add_argument("--val-max-new-tokens", type=int, default=d.val_max_new_tokens)
-    parser.add_argument("--log-every", type=int, default=d.log_every)
-    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument(
+        "--num-val-prompts", type=int, default=d.num_val_prompts, help="prompts decoded by each validation"
+    )
+    parser.add_argument(
+        "--val-max-new-tokens", type=int, default=d.val_max_new_tokens, help="new tokens per validation prompt"
+    )
+    parser.add_argument("--log-every", type=int, default=d.log_every, help="log every N optimizer steps")
+    parser.add_argument("--seed", type=int, default=d.seed, help="random seed (data order, anchors, init)")
     return parser
 
 
@@ -59,13 +83,19 @@ def add_features_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--target", default="smollm2", help='target model path or hub id, or "smollm2"')
     parser.add_argument("--data", required=True, help="directory of regenerated shard-XXXXX.parquet or .pt files")
     parser.add_argument("--out", required=True, help="where the shards with features go (resumes there)")
-    parser.add_argument("--target-layer-ids", type=int, nargs="+", default=None,
-                        help="default: DFlash's spread of --num-target-features layers, as `dflash train` picks them")
-    parser.add_argument("--num-target-features", type=int, default=5)
+    parser.add_argument(
+        "--target-layer-ids",
+        type=int,
+        nargs="+",
+        default=None,
+        help="default: DFlash's spread of --num-target-features layers, as `dflash train` picks them",
+    )
+    parser.add_argument("--num-target-features", type=int, default=5, help="target layers feeding the drafter")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per target forward")
     parser.add_argument("--max-length", type=int, default=2048, help="truncate sequences to this many tokens")
-    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
-                        help="storage dtype of the features")
+    parser.add_argument(
+        "--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16", help="storage dtype of the features"
+    )
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     return parser
 

@@ -1,6 +1,5 @@
 """Anchors, block positions, the packed-block attention mask and the loss weights of one training step."""
 
-
 import torch
 
 

@@ -34,8 +34,12 @@ def cache_context_features(
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    info = {"target_layer_ids": [int(i) for i in target_layer_ids], "max_length": int(max_length),
-            "dtype": str(dtype).replace("torch.", ""), "source": str(Path(data_dir).resolve())}
+    info = {
+        "target_layer_ids": [int(i) for i in target_layer_ids],
+        "max_length": int(max_length),
+        "dtype": str(dtype).replace("torch.", ""),
+        "source": str(Path(data_dir).resolve()),
+    }
     info_path = out_dir / FEATURES_INFO
     if info_path.exists():
         previous = json.loads(info_path.read_text())
@@ -61,7 +65,9 @@ def cache_context_features(
             chunk = [examples[i] for i in order[start : start + batch_size]]
             batch = collate(chunk, max_length)
             features = target_context_features(
-                target, batch["input_ids"].to(device), target_layer_ids,
+                target,
+                batch["input_ids"].to(device),
+                target_layer_ids,
                 None if batch["attention_mask"] is None else batch["attention_mask"].to(device),
             )
             for row, i in enumerate(order[start : start + batch_size]):

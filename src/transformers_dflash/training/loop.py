@@ -203,8 +203,15 @@ def train(config: TrainingConfig, target: nn.Module | None = None) -> dict:
     log({"event": "start", "step": step, "total_steps": total_steps, "config": asdict(config)})
 
     batches = training_batches(
-        shards, shard_offsets, num_examples, config.batch_size, config.max_length, config.seed,
-        rank=accelerator.process_index, world_size=accelerator.num_processes, skip_below=held_out,
+        shards,
+        shard_offsets,
+        num_examples,
+        config.batch_size,
+        config.max_length,
+        config.seed,
+        rank=accelerator.process_index,
+        world_size=accelerator.num_processes,
+        skip_below=held_out,
         start_batch=step * config.grad_accum,
     )
 
@@ -233,9 +240,15 @@ def train(config: TrainingConfig, target: nn.Module | None = None) -> dict:
             sync_context = contextlib.nullcontext() if is_last else accelerator.no_sync(drafter)
             with sync_context, accelerator.autocast():
                 loss, metrics = dflash_loss(
-                    drafter, target, batch["input_ids"], batch["loss_mask"], config.num_anchors,
-                    attention_mask=batch["attention_mask"], context_features=batch["context_features"],
-                    gamma=config.gamma, generator=anchor_generator,
+                    drafter,
+                    target,
+                    batch["input_ids"],
+                    batch["loss_mask"],
+                    config.num_anchors,
+                    attention_mask=batch["attention_mask"],
+                    context_features=batch["context_features"],
+                    gamma=config.gamma,
+                    generator=anchor_generator,
                 )
                 accelerator.backward(loss / config.grad_accum)
             loss_sum += metrics["loss"] / config.grad_accum
@@ -265,8 +278,10 @@ def train(config: TrainingConfig, target: nn.Module | None = None) -> dict:
             log(record)
             summary.update(record)
             progress.set_postfix(
-                loss=f"{record['loss']:.3f}", acc=f"{record['accuracy']:.3f}",
-                tau=f"{record['acceptance_length']:.2f}", tok_s=f"{record['tokens_per_second']:.0f}",
+                loss=f"{record['loss']:.3f}",
+                acc=f"{record['accuracy']:.3f}",
+                tau=f"{record['acceptance_length']:.2f}",
+                tok_s=f"{record['tokens_per_second']:.0f}",
             )
         if step % config.save_every == 0 or step == total_steps:
             save_checkpoint(

@@ -1,7 +1,6 @@
 """The DFlash training loss: one step for a batch (context features, anchors, packed blocks, weighted
 cross-entropy)."""
 
-
 import torch
 from torch import nn
 from torch.nn import functional as F

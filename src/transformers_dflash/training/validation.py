@@ -1,6 +1,5 @@
 """Validation during training: the mean acceptance length of real speculative decoding."""
 
-
 import torch
 from torch import nn
 
