@@ -20,6 +20,11 @@ Two on-disk layouts are read:
 from transformers import PretrainedConfig
 
 
+def text_config(config):
+    """The language-model part of a config (multimodal models nest it; plain LMs return themselves)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:
     """The DFlash default: `round(1 + i * (L - 4) / (K - 1))` for `i` in `0..K-1` (`K == 1`: `[L // 2]`).
 

@@ -33,6 +33,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .configuration_dflash import text_config
+
 try:  # transformers >= 5: one cache class whose layers may hold linear-attention state
     from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionCacheLayerMixin
 except ImportError:  # transformers 4.x: hybrid models bring their own cache classes
@@ -54,10 +56,6 @@ STATE_CONTINUING_MODEL_TYPES = {
 NON_CONTINUING = {"bamba", "jamba"}
 
 
-def _text_config(config):
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
 def _major() -> int:
     import transformers
 
@@ -66,7 +64,7 @@ def _major() -> int:
 
 def has_recurrent_state(target: nn.Module) -> bool:
     """Whether the target keeps per-row state besides a KV cache (linear attention, convolutions, SSM layers)."""
-    config = _text_config(target.config)
+    config = text_config(target.config)
     layer_types = set(getattr(config, "layer_types", None) or [])
     return bool(getattr(target, "_is_stateful", False) or layer_types - ATTENTION_LAYER_TYPES)
 
@@ -75,7 +73,7 @@ def check_state_rollback(target: nn.Module) -> None:
     """Raise a ValueError that names the state and why, when DFlash cannot roll back this target's state."""
     if not has_recurrent_state(target):
         return
-    config = _text_config(target.config)
+    config = text_config(target.config)
     model_type = getattr(config, "model_type", type(config).__name__)
     name = type(target).__name__
     if model_type in NON_CONTINUING:
@@ -105,7 +103,7 @@ def new_hybrid_cache(target: nn.Module):
         import importlib
 
         module = importlib.import_module(type(target).__module__)
-        return module.Qwen3NextDynamicCache(_text_config(target.config))
+        return module.Qwen3NextDynamicCache(text_config(target.config))
     from transformers.cache_utils import DynamicCache
 
     cache = DynamicCache(config=target.config)

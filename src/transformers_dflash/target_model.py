@@ -8,12 +8,8 @@ import inspect
 
 from torch import nn
 
+from .configuration_dflash import text_config
 from .state_rollback import check_state_rollback, has_recurrent_state, new_hybrid_cache
-
-
-def text_config(config):
-    """The language-model part of a config (multimodal models nest it; plain LMs return themselves)."""
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def decoder_layers(target: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
