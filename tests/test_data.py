@@ -59,9 +59,9 @@ def tokenizer():
     return tok
 
 
-@pytest.fixture(scope="module")
-def target(tokenizer):
-    torch.manual_seed(0)
+def tiny_llama(tokenizer, seed):
+    """A 2-layer Llama with `tokenizer`'s vocabulary and special ids, randomly initialised from `seed`."""
+    torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=32,
@@ -75,7 +75,12 @@ def target(tokenizer):
         bos_token_id=None,
         tie_word_embeddings=False,
     )
-    model = LlamaForCausalLM(config).eval()
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def target(tokenizer):
+    model = tiny_llama(tokenizer, seed=0)
     # Make the random model end some answers early: boost the EOS logit so that responses vary in length.
     with torch.no_grad():
         model.lm_head.weight[tokenizer.eos_token_id] *= 2.0

@@ -11,9 +11,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
-from test_data import CHAT_TEMPLATE, PROMPTS, SPECIALS, WORDS, _load_all, target, tokenizer  # noqa: F401  (fixtures)
+from test_data import CHAT_TEMPLATE, PROMPTS, SPECIALS, WORDS, _load_all, target, tiny_llama, tokenizer  # noqa: F401  (fixtures)
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from transformers_dflash import data
 from transformers_dflash.data import engines, regeneration
@@ -114,21 +114,7 @@ def test_transformers_buckets_equal_per_prompt_generate(target, tokenizer):
 def peaked_target(tokenizer):
     """A tiny Llama with larger weights than the default init: clear argmax winners, so two float32 implementations
     (torch and CTranslate2) make the same greedy choices."""
-    torch.manual_seed(3)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config).eval()
+    model = tiny_llama(tokenizer, seed=3)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
