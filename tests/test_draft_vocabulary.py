@@ -111,7 +111,9 @@ def test_loss_with_reduced_vocabulary_matches_restricted_cross_entropy():
     input_ids = torch.randint(3, VOCAB, (1, 20), generator=torch.Generator().manual_seed(0))
     loss_mask = torch.zeros(1, 20, dtype=torch.bool)
     loss_mask[0, 5:] = True
-    loss, metrics = dflash_loss(drafter, target, input_ids, loss_mask, 4, generator=torch.Generator().manual_seed(1))
+    loss, metrics = dflash_loss(
+        drafter, target, input_ids, loss_mask, 4, generator=torch.Generator().manual_seed(1), labels="text"
+    )
 
     anchors, valid = sample_anchors(loss_mask, 4, 4, torch.Generator().manual_seed(1))
     features = target_context_features(target, input_ids, drafter.config.target_layer_ids)

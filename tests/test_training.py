@@ -19,6 +19,7 @@ from transformers_dflash.training import (
     block_position_ids,
     build_block_attention_mask,
     cache_context_features,
+    check_cached_features,
     default_gamma,
     dflash_loss,
     evaluate_acceptance_length,
@@ -27,6 +28,7 @@ from transformers_dflash.training import (
     run_train,
     sample_anchors,
     target_context_features,
+    target_features_and_choices,
     train,
 )
 
@@ -224,6 +226,7 @@ def test_dflash_loss_matches_reference_and_offline_features():
         num_anchors,
         attention_mask=attention_mask,
         generator=torch.Generator().manual_seed(7),
+        labels="text",
     )
     # Offline: precomputed features, same anchors -> same loss.
     features = target_context_features(target, input_ids, drafter.config.target_layer_ids)
@@ -235,6 +238,7 @@ def test_dflash_loss_matches_reference_and_offline_features():
         num_anchors,
         context_features=features,
         generator=torch.Generator().manual_seed(7),
+        labels="text",
     )
     torch.testing.assert_close(loss, offline)
 
@@ -273,6 +277,114 @@ def test_dflash_loss_matches_reference_and_offline_features():
 
     loss.backward()  # gradients reach every drafter weight
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in drafter.parameters())
+
+
+def test_target_choices_are_the_targets_greedy_next_tokens():
+    target = tiny_target(torch.float64)
+    input_ids = torch.randint(3, 96, (2, 11), generator=torch.Generator().manual_seed(4))
+    features, choices = target_features_and_choices(target, input_ids, [1, 2], chunk=4)  # chunks: 4 + 4 + 2
+    torch.testing.assert_close(features, target_context_features(target, input_ids, [1, 2]))
+    expected = target(input_ids).logits.argmax(-1)
+    assert torch.equal(choices[:, 1:], expected[:, :-1]) and torch.equal(choices[:, 0], input_ids[:, 0])
+
+
+def _target_path_text(target, seq_len, leave_at):
+    """A sequence the target writes greedily, with the text forced off the target's path at `leave_at`."""
+    ids = torch.tensor([[5, 17, 33]])
+    while ids.shape[1] < seq_len:
+        nxt = target(ids).logits[:, -1].argmax(-1, keepdim=True)
+        if ids.shape[1] in leave_at:
+            nxt = (nxt + 1) % 96
+        ids = torch.cat([ids, nxt], dim=1)
+    return ids
+
+
+def test_target_labels_follow_the_verifier_and_mask_off_path_slots():
+    target = tiny_target(torch.float64, initializer_range=0.2)
+    drafter = tiny_drafter(target, std=0.1)
+    seq_len, num_anchors = 20, 6
+    input_ids = _target_path_text(target, seq_len, leave_at={9, 14})
+    loss_mask = torch.zeros(1, seq_len, dtype=torch.bool)
+    loss_mask[0, 3:] = True
+    _, target_ids = target_features_and_choices(target, input_ids, drafter.config.target_layer_ids)
+    off_path = (target_ids != input_ids)[0, 3:].nonzero().flatten() + 3
+    assert off_path.tolist() == [9, 14]  # the response leaves the target's greedy path there
+
+    def run(labels, ids=None):
+        return dflash_loss(
+            drafter,
+            target,
+            input_ids,
+            loss_mask,
+            num_anchors,
+            generator=torch.Generator().manual_seed(2),
+            target_ids=ids,
+            labels=labels,
+        )
+
+    loss, metrics = run("target")
+    auto, _ = run("auto")  # online training: the target's choices are computed, so "auto" is "target"
+    cached, _ = run("target", target_ids)
+    text, _ = run("text")
+    torch.testing.assert_close(loss, auto)
+    torch.testing.assert_close(loss, cached)
+    assert not torch.allclose(loss, text)
+
+    # Reference: slot k learns target_ids[anchor + k] while the text after the anchor, before slot k, is on the path.
+    features = target_context_features(target, input_ids, drafter.config.target_layer_ids)
+    anchors, valid = sample_anchors(loss_mask, num_anchors, BLOCK_SIZE, torch.Generator().manual_seed(2))
+    weights = loss_weights(BLOCK_SIZE).double()
+    total, total_weight, labelled, agreeing = 0.0, 0.0, 0, 0
+    for anchor in anchors[0][valid[0]].tolist():
+        block = torch.tensor([input_ids[0, anchor].item()] + [drafter.config.mask_token_id] * (BLOCK_SIZE - 1))
+        with torch.no_grad():
+            hidden = drafter(
+                block_embeddings=target.get_input_embeddings()(block)[None],
+                context_features=features[:, :anchor],
+                block_position_ids=torch.arange(anchor, anchor + BLOCK_SIZE)[None],
+                context_position_ids=torch.arange(anchor)[None],
+            ).last_hidden_state[0]
+        logits = target.lm_head(hidden)
+        for k in range(1, BLOCK_SIZE):
+            if not all(input_ids[0, anchor + j] == target_ids[0, anchor + j] for j in range(1, k)):
+                break
+            total += weights[k] * F.cross_entropy(logits[k], target_ids[0, anchor + k])
+            total_weight += weights[k]
+            labelled += 1
+            agreeing += int(input_ids[0, anchor + k] == target_ids[0, anchor + k])
+    torch.testing.assert_close(loss.detach(), total / total_weight)
+    assert metrics["num_labels"].item() == labelled
+    assert math.isclose(metrics["text_agreement"].item(), agreeing / labelled, rel_tol=1e-6) and agreeing < labelled
+
+    # On the target's own greedy text both rules are the same loss.
+    input_ids = _target_path_text(target, seq_len, leave_at=set())
+    torch.testing.assert_close(run("target")[0], run("text")[0])
+
+
+def test_target_labels_need_the_targets_choices(tmp_path):
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    input_ids = torch.randint(3, 96, (1, 12))
+    features = target_context_features(target, input_ids, drafter.config.target_layer_ids)
+    with pytest.raises(ValueError, match="needs the target's choices.*--labels text"):
+        dflash_loss(
+            drafter,
+            target,
+            input_ids,
+            torch.ones(1, 12, dtype=torch.bool),
+            2,
+            context_features=features,
+            labels="target",
+        )
+    with pytest.raises(ValueError, match="labels='gold'"):
+        dflash_loss(drafter, target, input_ids, torch.ones(1, 12, dtype=torch.bool), 2, labels="gold")
+    (tmp_path / "features.json").write_text(json.dumps({"target_layer_ids": [1, 2], "max_length": 64}))
+    (tmp_path / "shard-00000.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match="without the target's choices.*--labels text"):
+        check_cached_features(tmp_path, [1, 2], "target")
+    check_cached_features(tmp_path, [1, 2], "auto")  # auto falls back to the text
+    with pytest.raises(ValueError, match="older `dflash features`.*another --out"):
+        cache_context_features(target, tmp_path, tmp_path, [1, 2], max_length=64, progress=False)
 
 
 def test_evaluate_acceptance_length_leaves_drafter_alone():
@@ -440,3 +552,9 @@ def test_features_of_parquet_shards_resume(tmp_path, monkeypatch):
         assert all(torch.equal(x["context_features"], y["context_features"]) for x, y in zip(saved, expected))
     offline = list(iter_training_examples(out))
     assert len(offline) == 8 and offline[0]["context_features"].shape[-1] == 2 * target.config.hidden_size
+    # the target's own choices ride along with the features
+    first = offline[0]
+    _, choices = target_features_and_choices(target, first["input_ids"][None], [1, 2])
+    assert torch.equal(first["target_ids"], choices[0])
+    info = json.loads((out / "features.json").read_text())
+    assert info["target_choices"] is True and 0 <= info["target_agreement"] <= 1

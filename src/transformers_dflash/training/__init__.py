@@ -49,7 +49,13 @@ from .batches import (
     validation_prompts,
 )
 from .blocks import block_position_ids, build_block_attention_mask, default_gamma, loss_weights, sample_anchors
-from .features import FEATURES_INFO, cache_context_features, check_cached_features, target_context_features
+from .features import (
+    FEATURES_INFO,
+    cache_context_features,
+    check_cached_features,
+    target_context_features,
+    target_features_and_choices,
+)
 from .loop import (
     CHECKPOINT_PREFIX,
     TRAINING_STATE,
@@ -83,6 +89,7 @@ __all__ = [
     "cache_context_features",
     "check_cached_features",
     "target_context_features",
+    "target_features_and_choices",
     "CHECKPOINT_PREFIX",
     "TRAINING_STATE",
     "TrainingConfig",

@@ -36,6 +36,14 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     )
     parser.add_argument("--num-anchors", type=int, default=d.num_anchors, help="blocks per sequence")
     parser.add_argument("--gamma", type=float, default=None, help="loss decay (default: 7 for block 16, 5 for 10)")
+    parser.add_argument(
+        "--labels",
+        choices=["auto", "target", "text"],
+        default=d.labels,
+        help="what a draft slot learns: 'target' = the target's own greedy choice, masked where the text left the "
+        "target's path (what verification accepts); 'text' = the data's tokens; 'auto' = 'target' when the target's "
+        "choices are known (features from `dflash features`, or online training)",
+    )
     parser.add_argument("--max-length", type=int, default=d.max_length, help="truncate sequences to this many tokens")
     parser.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per process and micro-batch")
     parser.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per optimizer step")

@@ -57,6 +57,10 @@ def collate(examples: list[dict], max_length: int) -> dict:
         for i, (example, length) in enumerate(zip(examples, lengths)):
             features[i, :length] = example["context_features"][:length]
         batch["context_features"] = features
+    if all("target_ids" in example for example in examples):  # the target's choices, cached by `dflash features`
+        batch["target_ids"] = input_ids.clone()
+        for i, (example, length) in enumerate(zip(examples, lengths)):
+            batch["target_ids"][i, :length] = example["target_ids"][:length]
     return batch
 
 

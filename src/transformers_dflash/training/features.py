@@ -1,5 +1,10 @@
 """Context features: the target's hidden states the drafter reads, and `dflash features`, which caches them in
-the shards (offline training)."""
+the shards (offline training) together with the target's own greedy choice at every position (`target_ids`).
+
+`target_ids[t]` is the token the target ranks first after `input_ids[:t]`: what greedy verification accepts there.
+Training can label with it instead of the text (`loss.py`, `labels="target"`), so that an engine that answers a
+little differently from the target (int8, another kernel, off-the-shelf text) never teaches the drafter a token the
+verifier would reject."""
 
 import json
 from pathlib import Path
@@ -39,10 +44,16 @@ def cache_context_features(
         "max_length": int(max_length),
         "dtype": str(dtype).replace("torch.", ""),
         "source": str(Path(data_dir).resolve()),
+        "target_choices": True,  # every shard also stores `target_ids`
     }
     info_path = out_dir / FEATURES_INFO
     if info_path.exists():
         previous = json.loads(info_path.read_text())
+        if list(out_dir.glob("shard-*.pt")) and not previous.get("target_choices"):
+            raise ValueError(
+                f"{out_dir} holds features of an older `dflash features` without the target's choices; resuming "
+                "there would mix shards with and without them. Use another --out directory, or delete this one."
+            )
         if previous.get("target_layer_ids") != info["target_layer_ids"] or previous.get("max_length") != max_length:
             raise ValueError(
                 f"{out_dir} holds features of layers {previous.get('target_layer_ids')} (max_length "
@@ -53,6 +64,7 @@ def cache_context_features(
     device = next(target.parameters()).device
     shards = list_shards(data_dir)
     bar = tqdm(total=len(shards), desc="features", unit="shard", disable=not progress)
+    agreed = labelled = 0  # response tokens (of the shards computed in this run) that equal the target's choice
     for shard in shards:
         destination = out_dir / f"{shard.stem}.pt"  # features are tensors: always the torch format
         if destination.exists():
@@ -64,7 +76,7 @@ def cache_context_features(
         for start in range(0, len(order), batch_size):
             chunk = [examples[i] for i in order[start : start + batch_size]]
             batch = collate(chunk, max_length)
-            features = target_context_features(
+            features, choices = target_features_and_choices(
                 target,
                 batch["input_ids"].to(device),
                 target_layer_ids,
@@ -76,18 +88,36 @@ def cache_context_features(
                     "input_ids": examples[i]["input_ids"][:length].clone(),
                     "loss_mask": examples[i]["loss_mask"][:length].clone(),
                     "context_features": features[row, :length].to("cpu", dtype).clone(),
+                    "target_ids": choices[row, :length].cpu().clone(),
                 }
+                response = records[i]["loss_mask"]
+                agreed += int((records[i]["target_ids"] == records[i]["input_ids"])[response].sum())
+                labelled += int(response.sum())
         tmp = destination.with_name(destination.name + ".tmp")
         torch.save(records, tmp)
         tmp.replace(destination)  # atomic: a shard is either whole or absent
         bar.update(1)
+        bar.set_postfix(target_agreement=f"{agreed / max(labelled, 1):.4f}")
     bar.close()
+    if labelled:
+        info["target_agreement"] = agreed / labelled  # of the shards computed by the last run
+        info_path.write_text(json.dumps(info, indent=1))
     return out_dir
 
 
-def check_cached_features(data_dir: str | Path, target_layer_ids: list[int]) -> None:
-    """Refuse offline features of other target layers than the drafter's (they would train it on the wrong input)."""
+def check_cached_features(data_dir: str | Path, target_layer_ids: list[int], labels: str = "auto") -> None:
+    """Refuse offline features of other target layers than the drafter's (they would train it on the wrong input),
+    and `labels="target"` on features cached without the target's choices."""
+    from .loss import LABEL_RULES
+
+    if labels not in LABEL_RULES:
+        raise ValueError(f"labels={labels!r}: use one of {LABEL_RULES}.")
     info_path = Path(data_dir) / FEATURES_INFO
+    if info_path.exists() and labels == "target" and not json.loads(info_path.read_text()).get("target_choices"):
+        raise ValueError(
+            f"{data_dir} holds features cached without the target's choices (an older `dflash features`), which "
+            "--labels target needs. Recompute them with `dflash features --out NEW_DIR`, or train with --labels text."
+        )
     if info_path.exists():
         cached = json.loads(info_path.read_text()).get("target_layer_ids")
         if cached != [int(i) for i in target_layer_ids]:
@@ -101,7 +131,30 @@ def check_cached_features(data_dir: str | Path, target_layer_ids: list[int]) -> 
 @torch.no_grad()
 def target_context_features(target: nn.Module, input_ids, layer_ids, attention_mask=None) -> torch.Tensor:
     """The drafter's context: the target's hidden_states[i + 1] for i in `layer_ids`, concatenated `[b, S, K * H]`."""
+    return target_features_and_choices(target, input_ids, layer_ids, attention_mask, choices=False)[0]
+
+
+@torch.no_grad()
+def target_features_and_choices(
+    target: nn.Module, input_ids, layer_ids, attention_mask=None, choices: bool = True, chunk: int = 256
+) -> tuple[torch.Tensor, torch.LongTensor | None]:
+    """`target_context_features` and, from the same forward, the target's greedy choice at every position
+    (`target_ids [b, S]`: `target_ids[:, t]` = argmax of the logits after `input_ids[:, :t]`; position 0, which
+    nothing predicts, keeps its own token).
+
+    The LM head runs `chunk` positions at a time, so the `[b, S, vocab]` logits never exist at once. Softcapping and
+    logit scales that some targets apply after the head are monotonic, so the argmax of the head is theirs.
+    """
     outputs = target.get_decoder()(
         input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False
     )
-    return torch.cat([outputs.hidden_states[i + 1] for i in layer_ids], dim=-1)
+    features = torch.cat([outputs.hidden_states[i + 1] for i in layer_ids], dim=-1)
+    if not choices:
+        return features, None
+    head = target.get_output_embeddings()
+    last = outputs.last_hidden_state
+    target_ids = input_ids.clone()
+    for start in range(0, last.shape[1] - 1, chunk):
+        end = min(start + chunk, last.shape[1] - 1)
+        target_ids[:, start + 1 : end + 1] = head(last[:, start:end]).argmax(-1)
+    return features, target_ids

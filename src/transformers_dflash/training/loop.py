@@ -39,6 +39,7 @@ class TrainingConfig:
     # loss
     num_anchors: int = 512
     gamma: float | None = None
+    labels: str = "auto"  # "target": the target's own choices (see loss.py), "text": the data's tokens
     max_length: int = 2048
     # optimisation
     batch_size: int = 1
@@ -171,7 +172,7 @@ def train(config: TrainingConfig, target: nn.Module | None = None) -> dict:
             drafter.set_draft_vocabulary(
                 draft_vocabulary(config.data, c.draft_vocab_size, c.vocab_size, exclude=[c.mask_token_id])
             )
-    check_cached_features(config.data, drafter.config.target_layer_ids)
+    check_cached_features(config.data, drafter.config.target_layer_ids, config.labels)
     drafter.float().train()
     if drafter.config._attn_implementation in (None, "flash_attention_2"):
         drafter.config._attn_implementation = "sdpa"  # FlashAttention-2 cannot express the packed-block mask
@@ -249,6 +250,8 @@ def train(config: TrainingConfig, target: nn.Module | None = None) -> dict:
                     context_features=batch["context_features"],
                     gamma=config.gamma,
                     generator=anchor_generator,
+                    target_ids=batch.get("target_ids"),
+                    labels=config.labels,
                 )
                 accelerator.backward(loss / config.grad_accum)
             loss_sum += metrics["loss"] / config.grad_accum
@@ -268,6 +271,7 @@ def train(config: TrainingConfig, target: nn.Module | None = None) -> dict:
                 "loss": accelerator.reduce(loss_sum, reduction="mean").item() / steps_since_log,
                 "accuracy": metrics["accuracy"].item(),
                 "acceptance_length": metrics["acceptance_length"].item(),
+                "text_agreement": metrics["text_agreement"].item(),
                 "slot_accuracy": [round(a, 4) for a in metrics["slot_accuracy"].tolist()],
                 "lr": scheduler.get_last_lr()[0],
                 "grad_norm": float(grad_norm),

@@ -6,7 +6,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from .blocks import block_position_ids, build_block_attention_mask, loss_weights, sample_anchors
-from .features import target_context_features
+from .features import target_features_and_choices
+
+LABEL_RULES = ("auto", "target", "text")
 
 
 def dflash_loss(
@@ -19,6 +21,8 @@ def dflash_loss(
     context_features: torch.Tensor | None = None,
     gamma: float | None = None,
     generator: torch.Generator | None = None,
+    target_ids: torch.LongTensor | None = None,
+    labels: str = "auto",
 ) -> tuple[torch.Tensor, dict]:
     """The DFlash training loss of a batch: random anchored blocks, one packed drafter forward, weighted cross-entropy.
 
@@ -29,6 +33,14 @@ def dflash_loss(
     context_features `[b, S, K * H]`: precomputed `target_context_features` (offline training), else computed here.
     gamma: loss decay over block slots (default `default_gamma(block_size)`).
     generator: random source of the anchors (`torch.Generator` on the batch's device).
+    target_ids `[b, S]`: the target's greedy choice at each position (`target_features_and_choices`, cached by
+        `dflash features`); computed here for `labels="target"` when the target runs anyway.
+    labels: which token slot k of a block learns.
+        "target": the target's choice after the block's text so far, as greedy verification would accept it; a
+            slot whose text before it has left the target's greedy path is masked (what verification would see
+            there is not in the data). With the target's own greedy answers this equals "text".
+        "text": the data's own next token.
+        "auto" (default): "target" when `target_ids` is given or the target runs here, else "text".
 
     Returns `(loss, metrics)`; metrics are detached tensors: `loss`, `accuracy` (top-1 over labelled slots),
     `slot_accuracy` `[block_size - 1]` (slots 1 ..), `acceptance_length` (a proxy of tau: 1 + the mean number of
@@ -43,8 +55,19 @@ def dflash_loss(
     device = input_ids.device
     dtype = unwrapped.fc.weight.dtype
 
+    if labels not in LABEL_RULES:
+        raise ValueError(f"labels={labels!r}: use one of {LABEL_RULES}.")
     if context_features is None:
-        context_features = target_context_features(target, input_ids, config.target_layer_ids, attention_mask)
+        context_features, computed_ids = target_features_and_choices(
+            target, input_ids, config.target_layer_ids, attention_mask, choices=labels != "text" and target_ids is None
+        )
+        target_ids = computed_ids if target_ids is None else target_ids
+    if labels == "target" and target_ids is None:
+        raise ValueError(
+            'labels="target" needs the target\'s choices: the cached features carry none (made by an older '
+            "`dflash features`). Recompute them with `dflash features --out NEW_DIR`, or train with --labels text."
+        )
+    use_target = labels != "text" and target_ids is not None
 
     # Blocks: [clean anchor token, MASK x (block_size - 1)] at positions anchor .. anchor + block_size - 1.
     anchors, anchor_valid = sample_anchors(loss_mask, num_anchors, block_size, generator)  # [b, n]
@@ -65,9 +88,18 @@ def dflash_loss(
     # Labels: slot k of a block predicts token[anchor + k]; it counts if that token is a response token.
     slots = torch.arange(block_size, device=device)
     label_positions = (anchors[:, :, None] + slots).clamp(max=seq_len - 1).flatten(1)
-    labels = input_ids.gather(1, label_positions).view(batch, num_blocks, block_size)
+    text_labels = input_ids.gather(1, label_positions).view(batch, num_blocks, block_size)
     labelled = loss_mask.gather(1, label_positions).view(batch, num_blocks, block_size)
     labelled = labelled & anchor_valid[:, :, None] & (slots > 0)
+    if use_target:
+        block_labels = target_ids.gather(1, label_positions).view(batch, num_blocks, block_size)
+        # Slot k is verified after the drafts of slots 1 .. k-1; the data shows that context only while its text
+        # follows the target's greedy path, so a slot counts while every text token before it (after the anchor)
+        # equals the target's choice. The first slot that leaves the path still learns the target's choice.
+        on_path = (block_labels == text_labels)[:, :, 1:-1].long().cumprod(-1).bool()
+        labelled[:, :, 2:] &= on_path
+    else:
+        block_labels = text_labels
 
     # Weighted cross-entropy over the labelled slots only (the LM head is the expensive part: skip the rest). With a
     # reduced draft vocabulary the logits cover only its rows, and a label outside it has no loss (it can never be
@@ -75,7 +107,7 @@ def dflash_loss(
     head_weight, head_bias = unwrapped.draft_head(target.get_output_embeddings())
     logits = F.linear(hidden[labelled].to(head_weight.dtype), head_weight, head_bias)  # [num_labels, draft vocab]
     logits = logits.float() if logits.element_size() < 4 else logits  # cross-entropy in float32 at least
-    targets = labels[labelled]
+    targets = block_labels[labelled]
     weights = loss_weights(block_size, gamma).to(device).expand_as(labelled)[labelled]
     vocab_ids = unwrapped.draft_vocab_ids
     if vocab_ids is None:
@@ -105,5 +137,7 @@ def dflash_loss(
             "acceptance_length": 1 + accepted.sum() / num_valid_blocks.clamp(min=1),
             "num_blocks": num_valid_blocks,
             "num_labels": labelled.sum(),
+            # share of the labels that equal the data's own token (1 with the text rule)
+            "text_agreement": (text_labels[labelled] == targets).float().sum() / max(len(targets), 1),
         }
     return loss, metrics
