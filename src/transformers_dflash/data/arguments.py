@@ -110,8 +110,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         default="transformers",
         choices=ENGINE_NAMES,
         help="who writes the answers: transformers (generate() on length-bucketed batches), "
-        "ctranslate2 (the target converted once and cached; CPU, fast), or openai (an "
-        "OpenAI-compatible server: vLLM, SGLang, llama.cpp server, TGI; see --server-url)",
+        "ctranslate2 (the target converted once and cached; CPU, fast), openai (an "
+        "OpenAI-compatible server: vLLM, SGLang, llama.cpp server, TGI; see --server-url), or answers (no "
+        "generation: ShareGPT's own replies, a supplement to train with --labels target; needs --num-composed 0)",
     )
     group.add_argument(
         "--compute-type",
@@ -230,6 +231,7 @@ def _load_tokenizer(spec: str, tokenizer_path: str | None) -> Any:
 
 def build_engine(args: argparse.Namespace, target: Any, tokenizer: Any, chat_probe_ids: list[int] | None) -> Any:
     """The engine ``--engine`` asks for (see :func:`add_engine_arguments`)."""
+    from .answers import AnswersEngine
     from .engines import PROBE_PROMPT, CTranslate2Engine, OpenAIEngine
 
     if args.engine != "transformers" and args.do_sample:
@@ -260,6 +262,14 @@ def build_engine(args: argparse.Namespace, target: Any, tokenizer: Any, chat_pro
             batch_size=args.batch_size or 32,
             threads=args.threads,
             device=device,
+        )
+    if args.engine == "answers":
+        return AnswersEngine.sharegpt(
+            tokenizer,
+            eos_ids,
+            system_prompt=args.system_prompt,
+            chat_template=Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None,
+            chat_template_kwargs=json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else None,
         )
     if not args.server_url:
         raise DataError("--engine openai needs --server-url (the server's base URL, e.g. http://127.0.0.1:8000)")
@@ -307,10 +317,21 @@ def run_regenerate(args: argparse.Namespace) -> int:
         use_sharegpt=False if args.no_sharegpt else None,
         limit=args.limit,
     )
-    print(f"{len(prompts)} prompts from {source}", flush=True)
     engine_name = getattr(args, "engine", "transformers")
-    info = _target_info(args.target) if engine_name == "openai" else None
-    if info is not None:  # a served target: its config is enough here
+    if engine_name == "answers":  # only prompts that have a reply in the dataset (ShareGPT has some without)
+        from .prompts import load_sharegpt_answers
+
+        answered = load_sharegpt_answers()
+        kept = [p for p in prompts if p in answered]
+        if not kept:
+            raise DataError(
+                f"None of the {len(prompts)} prompts from {source} has a ShareGPT answer; --engine answers needs "
+                "ShareGPT prompts: use --prompts train --num-composed 0."
+            )
+        source, prompts = f"{source}, answered by sharegpt ({len(prompts) - len(kept)} without an answer dropped)", kept
+    print(f"{len(prompts)} prompts from {source}", flush=True)
+    info = _target_info(args.target) if engine_name in ("openai", "answers") else None
+    if info is not None:  # a served target, or no generation: its config is enough here
         target, tokenizer, name = info, _load_tokenizer(args.target, args.tokenizer), info.name_or_path
     else:
         target, tokenizer, name = _load_target(args.target, args.tokenizer, device, dtype)

@@ -20,6 +20,8 @@ Engines:
 * :class:`OpenAIEngine`: an OpenAI-compatible server (vLLM, SGLang, llama.cpp's server, TGI) at a URL, ``/v1/completions``
   with temperature 0, concurrent requests, retries with exponential back-off, and a check that the server's tokenizer is
   the target's (a server with another tokenizer or chat template is refused, not silently mixed).
+* :class:`~transformers_dflash.data.answers.AnswersEngine` (``answers.py``): no generation, ShareGPT's own replies laid
+  out as responses; a cheap supplement to train on with the target's labels (``--labels target``).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ __all__ = [
     "weights_sha256",
 ]
 
-ENGINE_NAMES = ("transformers", "ctranslate2", "openai")
+ENGINE_NAMES = ("transformers", "ctranslate2", "openai", "answers")
 DEFAULT_PAD_FRACTION = 0.1
 
 OnBatch = Callable[[int, int], None]

