@@ -133,6 +133,9 @@ def test_markdown_from_hand_made_report():
     text = bench.format_markdown(report)
     assert "| d | ours | 20.0 | 50.0 | 2.00x | 4.00 | 2.00 | 20 | 0 |" in text
     assert "UNTRAINED" in text and "every method's output equals" in text
+    assert "- chat template kwargs: none (the template's defaults)" in text  # a report without the setting
+    report["settings"]["chat_template_kwargs"] = {"enable_thinking": False}
+    assert '- chat template kwargs: `{"enable_thinking": false}`' in bench.format_markdown(report)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

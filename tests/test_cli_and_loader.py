@@ -31,6 +31,12 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|> {{ message['role'] }} {{ message['content'] }} <|im_end|> "
     "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
 )
+# Like Qwen3's templates: thinks by default; `enable_thinking=False` closes an empty think block after the header.
+THINKING_TEMPLATE = CHAT_TEMPLATE.replace(
+    "assistant {% endif %}",
+    "assistant {% if enable_thinking is defined and not enable_thinking %}<think> </think> {% endif %}{% endif %}",
+)
+NO_THINKING = {"enable_thinking": False}
 
 
 def _env():
@@ -40,7 +46,9 @@ def _env():
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
     """A word-level tokenizer with a chat template, built offline."""
     specials = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
-    vocab = {token: i for i, token in enumerate(specials + ["user", "assistant", "system"] + WORDS)}
+    vocab = {
+        token: i for i, token in enumerate(specials + ["user", "assistant", "system"] + WORDS + ["<think>", "</think>"])
+    }
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(
@@ -350,6 +358,154 @@ def test_demo_ngram_lookup_option(tiny_demo_drafter, capsys):
         cli.main(args + ["--ngram-lookup", "-1"])
 
 
+# ---------------------------------------------------------------------------------------- --chat-template-kwargs
+
+
+def thinking_tokenizer() -> PreTrainedTokenizerFast:
+    """`tiny_tokenizer` with a template that, like Qwen3's, renders differently when `enable_thinking` is false."""
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = THINKING_TEMPLATE
+    return tokenizer
+
+
+def _spy_on_chat_template(tokenizer, calls: list) -> None:
+    """Append the keyword arguments of every later `tokenizer.apply_chat_template` call to `calls`."""
+    original = tokenizer.apply_chat_template
+
+    def apply_chat_template(conversation, **kwargs):
+        calls.append(kwargs)
+        return original(conversation, **kwargs)
+
+    tokenizer.apply_chat_template = apply_chat_template
+
+
+def test_chat_template_kwargs_option_parses_json_objects():
+    assert runtime.parse_chat_template_kwargs('{"enable_thinking": false}') == NO_THINKING
+    assert runtime.parse_chat_template_kwargs('{"enable_thinking": false, "effort": [1, "x"]}') == {
+        "enable_thinking": False,
+        "effort": [1, "x"],
+    }
+    assert runtime.parse_chat_template_kwargs("{}") == {}
+
+
+@pytest.mark.parametrize("command", [["demo"], ["bench"], ["regenerate", "--target", "t", "--out", "o"]])
+@pytest.mark.parametrize(
+    ("value", "complaint"),
+    [
+        ("{'enable_thinking': False}", "is not valid JSON (Expecting property name enclosed in double quotes at"),
+        ("enable_thinking=false", "is not valid JSON (Expecting value at character 1)"),
+        ('["enable_thinking"]', "is an array, not a JSON object"),
+        ("false", "is a boolean, not a JSON object"),
+        ('{"tokenize": true}', "sets 'tokenize', which the command passes to apply_chat_template itself"),
+    ],
+)
+def test_bad_chat_template_kwargs_is_a_usage_error(command, value, complaint, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(command + ["--chat-template-kwargs", value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"dflash {command[0]}: error: argument --chat-template-kwargs: {value!r}" in err
+    assert complaint in err and """e.g. --chat-template-kwargs '{"enable_thinking": false}'""" in err
+    assert "Traceback" not in err
+
+
+def test_encode_chat_passes_chat_template_kwargs():
+    tokenizer = thinking_tokenizer()
+    default = tokenizer.convert_ids_to_tokens(runtime.encode_chat(tokenizer, "why is the sky blue")[0])
+    ids = runtime.encode_chat(tokenizer, "why is the sky blue", chat_template_kwargs=NO_THINKING)
+    assert default[-2:] == ["<|im_start|>", "assistant"]
+    assert tokenizer.convert_ids_to_tokens(ids[0]) == default + ["<think>", "</think>"]
+    bare = tiny_tokenizer()
+    bare.chat_template = None
+    with pytest.raises(ValueError, match="the tokenizer has no chat template"):
+        runtime.encode_chat(bare, "why is the sky blue", chat_template_kwargs=NO_THINKING)
+
+
+def test_demo_chat_template_kwargs_reach_every_prompt(monkeypatch, capsys):
+    tokenizer = thinking_tokenizer()
+    calls = []
+    _spy_on_chat_template(tokenizer, calls)
+    target = tiny_target(tokenizer)
+    torch.manual_seed(1)
+    drafter = DFlashDraftModel.from_target(target, num_layers=1, block_size=4).eval()
+    monkeypatch.setattr(smollm2, "load_smollm2", lambda *args, **kwargs: (target, tokenizer))
+    monkeypatch.setattr(demo, "load_drafter", lambda target, path=None: (drafter, "tiny", True))
+    monkeypatch.setattr(demo, "default_threads", lambda: 2)  # two candidates: the thread probe formats the prompt too
+    args = ["demo", "--max-new-tokens", "4", "--repeats", "1", "--no-stream", "--device", "cpu"]
+    assert cli.main(args + ["--chat-template-kwargs", '{"enable_thinking": false}']) == 0
+    out = capsys.readouterr().out
+    assert len(calls) == 2 and all(call["enable_thinking"] is False for call in calls)  # the probe, then the demo
+    formatted = runtime.encode_chat(tokenizer, demo.DEFAULT_PROMPT, chat_template_kwargs=NO_THINKING).shape[1]
+    assert formatted == runtime.encode_chat(tokenizer, demo.DEFAULT_PROMPT).shape[1] + 2
+    assert f"prompt of {formatted} tokens" in out and "outputs identical: yes" in out
+    assert 'chat template   : {"enable_thinking": false} (--chat-template-kwargs)' in out
+
+    calls.clear()
+    assert cli.main(args + ["--threads", "1"]) == 0  # without the option: the template's defaults
+    out = capsys.readouterr().out
+    assert len(calls) == 1 and "enable_thinking" not in calls[0] and "chat template   :" not in out
+    assert f"prompt of {formatted - 2} tokens" in out
+
+
+def test_bench_chat_template_kwargs_reach_every_prompt_and_the_report(tmp_path, monkeypatch):
+    from transformers_dflash.cli import bench as bench_command
+
+    tokenizer = thinking_tokenizer()
+    target = tiny_target(tokenizer)
+    model_dir = tmp_path / "tiny-target"
+    target.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    prompts = ["why is the sky blue", "the sky is blue because air scatters short light waves"]
+    dataset = tmp_path / "sky.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    monkeypatch.setattr(runtime, "SHIPPED_DRAFTER", tmp_path / "no-drafter")  # an untrained drafter for the target
+    calls = []
+    load_target = bench_command._load_target
+
+    def spied_load_target(*args):
+        target, loaded_tokenizer, name = load_target(*args)
+        _spy_on_chat_template(loaded_tokenizer, calls)
+        return target, loaded_tokenizer, name
+
+    monkeypatch.setattr(bench_command, "_load_target", spied_load_target)
+    out = tmp_path / "out"
+    args = ["bench", "--target", str(model_dir), "--dataset", str(dataset), "--num-prompts", "2"]
+    args += ["--methods", "dflash", "--temperatures", "0", "--max-new-tokens", "3", "--warmup", "0", "--threads", "1"]
+    args += ["--no-progress", "--device", "cpu", "--dtype", "float32", "--output-dir", str(out)]
+    no_thinking = ["--chat-template-kwargs", '{"enable_thinking": false}']
+    expected = {
+        i: runtime.encode_chat(tokenizer, p, chat_template_kwargs=NO_THINKING).shape[1] for i, p in enumerate(prompts)
+    }
+
+    assert cli.main(args + no_thinking) == 0
+    assert len(calls) == 2 and all(call["enable_thinking"] is False for call in calls)
+    report = json.loads((out / "bench.json").read_text())
+    assert report["settings"]["chat_template_kwargs"] == NO_THINKING
+    assert {s["prompt_index"]: s["prompt_tokens"] for s in report["samples"]} == expected
+    assert '- chat template kwargs: `{"enable_thinking": false}`' in (out / "bench.md").read_text()
+
+    calls.clear()
+    assert cli.main(args + no_thinking + ["--batch-sizes", "2"]) == 0
+    assert len(calls) == 2 and all(call["enable_thinking"] is False for call in calls)
+    assert json.loads((out / "bench-batch.json").read_text())["settings"]["chat_template_kwargs"] == NO_THINKING
+    assert '- chat template kwargs: `{"enable_thinking": false}`' in (out / "bench-batch.md").read_text()
+
+    calls.clear()
+    assert cli.main(args + ["--name", "defaults"]) == 0
+    assert len(calls) == 2 and not any("enable_thinking" in call for call in calls)
+    assert json.loads((out / "defaults.json").read_text())["settings"]["chat_template_kwargs"] == {}
+    assert "- chat template kwargs: none (the template's defaults)" in (out / "defaults.md").read_text()
+
+    with pytest.raises(SystemExit, match="no effect with --quick"):
+        cli.main(["bench", "--quick", "--threads", "1", *no_thinking])
+    bare, bare_dir = tiny_tokenizer(), tmp_path / "no-template"
+    bare.chat_template = None
+    target.save_pretrained(bare_dir)
+    bare.save_pretrained(bare_dir)
+    with pytest.raises(SystemExit, match="has no chat template"):
+        cli.main([*args[:2], str(bare_dir), *args[3:], *no_thinking])
+
+
 # ------------------------------------------------------------------------------------- an instant, documented CLI
 
 
@@ -384,8 +540,8 @@ def test_console_script_help_imports_neither_torch_nor_transformers(tmp_path, wo
 def test_every_option_has_help_and_shows_its_default():
     parser = cli.build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
-    for name in ("demo", "bench", "export", "convert"):
-        sub = commands[name]
+    assert set(commands) == {spec[0] for spec in cli.COMMANDS}
+    for name, sub in commands.items():
         formatter = sub._get_formatter()
         for action in sub._actions:
             if not action.option_strings or action.nargs == 0:  # positionals and flags (off unless given)
@@ -449,7 +605,8 @@ def test_demo_chooses_the_fastest_threads_for_plain_decoding_and_keeps_the_draft
     monkeypatch.setattr(demo, "default_threads", lambda: 2)
     probed = []
 
-    def fastest_threads(target_, tokenizer_, prompt, candidates, rounds=2):
+    def fastest_threads(target_, tokenizer_, prompt, candidates, rounds=2, chat_template_kwargs=None):
+        assert chat_template_kwargs is None  # no --chat-template-kwargs: the template's defaults
         probed.append(candidates)
         torch.set_num_threads(2)
         return {1: 5.0, 2: 7.0}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import errno
 import json
 import logging
@@ -344,7 +345,13 @@ def test_cli_arguments_and_jsonl(target, tokenizer, tmp_path, capsys):
     assert data.load_jsonl_prompts(prompt_file) == ["what is the cat", "write a poem\n\nred cat", "hello world"]
     model_dir = tmp_path / "tiny-target"
     target.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
+    # a template that, like Qwen3's, renders differently when `enable_thinking` is false: the answer starts "no"
+    thinking = copy.deepcopy(tokenizer)
+    thinking.chat_template = CHAT_TEMPLATE.replace(
+        "assistant {% endif %}",
+        "assistant {% if enable_thinking is defined and not enable_thinking %}no {% endif %}{% endif %}",
+    )
+    thinking.save_pretrained(model_dir)
     args = parser.parse_args(
         [
             "--target",
@@ -360,12 +367,19 @@ def test_cli_arguments_and_jsonl(target, tokenizer, tmp_path, capsys):
             "cpu",
             "--dtype",
             "float32",
+            "--chat-template-kwargs",
+            '{"enable_thinking": false}',
         ]
     )
+    assert args.chat_template_kwargs == {"enable_thinking": False}
     assert data.run_regenerate(args) == 0
     manifest = data.read_manifest(tmp_path / "o")
     assert manifest["target"] == str(model_dir) and manifest["num_prompts"] == 3 and manifest["complete"]
     assert manifest["prompt_source"].startswith("file:")
+    assert manifest["settings"]["chat_template_kwargs"] == {"enable_thinking": False}
+    for example in _load_all(tmp_path / "o"):  # every prompt formatted with the variables
+        prompt_ids = example["input_ids"][~example["loss_mask"]].tolist()
+        assert tokenizer.convert_ids_to_tokens(prompt_ids[-2:]) == ["assistant", "no"]
     assert "3 examples" in capsys.readouterr().out
     with pytest.raises(data.DataError, match="no such directory"):
         data.run_regenerate(
@@ -546,10 +560,13 @@ def test_engine_arguments_reach_the_engine(target, tokenizer, tmp_path):
             "1",
             "--server-url",
             "http://127.0.0.1:9/v1",
+            "--chat-template-kwargs",
+            '{"enable_thinking": false}',
         ]
     )
     engine = data.build_engine(args, target, tokenizer, None)
     assert (engine.name, engine.url, engine.concurrency, engine.max_retries) == ("openai", "http://127.0.0.1:9", 3, 1)
+    assert engine.chat_template_kwargs == {"enable_thinking": False}  # sent to the server with every request
     with pytest.raises(data.DataError, match="--server-url"):
         data.build_engine(
             parser.parse_args(["--target", "x", "--out", "o", "--engine", "openai"]), target, tokenizer, None

@@ -1,11 +1,14 @@
 """Helpers that the command line and the benchmarks share: device synchronisation, the default thread count, chat
-encoding and the drafter to run (a folder, else the shipped SmolLM2 drafter, else an untrained one).
+encoding, the `--chat-template-kwargs` option of `dflash demo` / `bench` / `regenerate`, and the drafter to run (a
+folder, else the shipped SmolLM2 drafter, else an untrained one).
 
 torch and the core are imported inside the functions, so importing this module (as `dflash --help` does) is instant.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 from pathlib import Path
 
@@ -28,14 +31,80 @@ def default_threads() -> int:
         return os.cpu_count() or 1
 
 
-def encode_chat(tokenizer, prompt: str, device=None):
-    """`prompt` as one user turn of the tokenizer's chat template (plain text when it has none): [1, seq] ids."""
+CHAT_TEMPLATE_KWARGS_EXAMPLE = """--chat-template-kwargs '{"enable_thinking": false}'"""
+# apply_chat_template arguments that the commands set themselves (or whose output they rely on): as template
+# variables they would clash with them ("got multiple values for keyword argument") or change what is returned.
+RESERVED_CHAT_TEMPLATE_KWARGS = (
+    "messages",
+    "conversation",
+    "add_generation_prompt",
+    "continue_final_message",
+    "tokenize",
+    "chat_template",
+    "return_tensors",
+    "return_dict",
+)
+
+
+def parse_chat_template_kwargs(text: str) -> dict:
+    """`--chat-template-kwargs`: a JSON object of extra chat-template variables (e.g. `{"enable_thinking": false}`)
+    as a dict. An argparse `type=`: bad JSON, JSON that is not an object, or a name the commands set themselves
+    raises `argparse.ArgumentTypeError`, which argparse reports as a usage error (exit code 2)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not valid JSON ({error.msg} at character {error.pos + 1}). Give a JSON object with "
+            f"double-quoted names and lowercase true/false/null, quoted for the shell, e.g. "
+            f"{CHAT_TEMPLATE_KWARGS_EXAMPLE}"
+        ) from None
+    if not isinstance(value, dict):
+        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(value), "a number")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is {kind}, not a JSON object of chat-template variables; e.g. {CHAT_TEMPLATE_KWARGS_EXAMPLE}"
+        )
+    reserved = [name for name in value if name in RESERVED_CHAT_TEMPLATE_KWARGS]
+    if reserved:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} sets {', '.join(map(repr, reserved))}, which the command passes to apply_chat_template itself; "
+            f"give template variables only, e.g. {CHAT_TEMPLATE_KWARGS_EXAMPLE}"
+        )
+    return value
+
+
+def add_chat_template_kwargs_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    """The `--chat-template-kwargs JSON` option (parsed into a dict, None when not given); `what` says which chat
+    formatting it reaches, for the help."""
+    parser.add_argument(
+        "--chat-template-kwargs",
+        type=parse_chat_template_kwargs,
+        default=None,
+        metavar="JSON",
+        help=f"extra variables for the chat template, as a JSON object, passed to every apply_chat_template call "
+        f"({what}), e.g. '{{\"enable_thinking\": false}}' (Qwen3.5/3.6 templates think by default, and DFlash users "
+        "report acceptance collapsing in thinking mode); default: none, the template's own defaults",
+    )
+
+
+def encode_chat(tokenizer, prompt: str, device=None, chat_template_kwargs: dict | None = None):
+    """`prompt` as one user turn of the tokenizer's chat template (plain text when it has none): [1, seq] ids.
+
+    `chat_template_kwargs` (e.g. `{"enable_thinking": False}`) go to `apply_chat_template` as template variables; a
+    tokenizer without a chat template cannot take them (ValueError rather than silently ignoring them)."""
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+            [{"role": "user", "content": prompt}],
+            add_generation_prompt=True,
+            tokenize=False,
+            **(chat_template_kwargs or {}),
         )
         # The template already holds every special token it needs.
         input_ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+    elif chat_template_kwargs:
+        raise ValueError(
+            f"chat template variables {chat_template_kwargs} were given, but the tokenizer has no chat template (its "
+            "prompts are encoded as plain text); set tokenizer.chat_template or leave the variables out"
+        )
     else:
         input_ids = tokenizer(prompt, return_tensors="pt").input_ids
     return input_ids.to(device) if device is not None else input_ids

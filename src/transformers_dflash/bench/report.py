@@ -89,6 +89,11 @@ def table_section(title: str, header: str, columns: str, alignment: str, rows: l
     return "\n".join(lines + ["", footnote, ""])
 
 
+def chat_template_kwargs_text(kwargs) -> str:
+    """How the report names the chat template's extra variables: their JSON, or that there were none."""
+    return f"`{json.dumps(kwargs)}`" if kwargs else "none (the template's defaults)"
+
+
 def format_markdown(report: Mapping[str, Any]) -> str:
     """The report as Markdown: settings, one table per temperature, acceptance histograms, checks, notes."""
     settings, env = report["settings"], report["environment"]
@@ -102,6 +107,7 @@ def format_markdown(report: Mapping[str, Any]) -> str:
         f"- datasets: {', '.join(f'{k} ({v} prompts)' for k, v in settings['datasets'].items())}; "
         f"max new tokens {settings['max_new_tokens']}; block size {settings.get('block_size')}; "
         f"repeats {settings['repeats']}; warm-up {settings['warmup']}; seed {settings['seed']}",
+        f"- chat template kwargs: {chat_template_kwargs_text(settings.get('chat_template_kwargs'))}",
         f"- {env.get('device')} ({env.get('gpu') or env.get('cpu')}), {env.get('torch_threads')} torch thread(s), "
         f"dtype {settings.get('dtype', 'n/a')}, attention {settings.get('attn_implementation', 'n/a')}",
         f"- torch {env.get('torch')}, transformers {env.get('transformers')}, transformers-dflash "

@@ -20,8 +20,9 @@ UNTRAINED_NOTE = (
 )
 
 
-def encode_prompt(tokenizer, prompt, device):
-    """[1, seq] ids of one prompt: token ids as given, or text through the tokenizer's chat template."""
+def encode_prompt(tokenizer, prompt, device, chat_template_kwargs=None):
+    """[1, seq] ids of one prompt: token ids as given, or text through the tokenizer's chat template (with
+    `chat_template_kwargs` as its extra variables)."""
     import torch
 
     if isinstance(prompt, torch.Tensor):
@@ -31,7 +32,7 @@ def encode_prompt(tokenizer, prompt, device):
         return torch.tensor([list(prompt)], device=device)
     if tokenizer is None:
         raise ValueError("text prompts need a tokenizer; pass tokenizer=... or token id lists")
-    return encode_chat(tokenizer, prompt, device)
+    return encode_chat(tokenizer, prompt, device, chat_template_kwargs)
 
 
 def _generate_kwargs(input_ids, max_new_tokens: int, temperature: float, pad_token_id) -> dict:
@@ -165,10 +166,12 @@ def run_benchmark(
     drafter_description: str | None = None,
     drafter_trained: bool | None = None,
     settings: Mapping[str, Any] | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> dict:
     """Time every method on every prompt of every dataset, at every temperature, in this one process.
 
-    datasets: `{name: prompts}`; a prompt is text (the tokenizer's chat template is applied) or token ids.
+    datasets: `{name: prompts}`; a prompt is text (the tokenizer's chat template is applied, with
+    `chat_template_kwargs` such as `{"enable_thinking": False}` as its extra variables) or token ids.
     methods: names among `DEFAULT_METHODS + OPTIONAL_METHODS`; `baseline` is always run (speedups need it).
     extra_methods: more `Method`s (e.g. your own decoding loop), timed and checked like the others.
     Per temperature, every method first runs `warmup` untimed times on the first prompt; then, prompt by prompt,
@@ -200,7 +203,11 @@ def run_benchmark(
 
     device = next(target.parameters()).device
     pad_token_id = _pad_token_id(tokenizer, target)
-    encoded = {name: [encode_prompt(tokenizer, p, device) for p in prompts] for name, prompts in datasets.items()}
+    template_kwargs = dict(chat_template_kwargs or {})
+    encoded = {
+        name: [encode_prompt(tokenizer, p, device, template_kwargs) for p in prompts]
+        for name, prompts in datasets.items()
+    }
     encoded = {name: ids for name, ids in encoded.items() if ids}
     if not encoded:
         raise ValueError("no prompts to benchmark")
@@ -274,6 +281,7 @@ def run_benchmark(
             "adaptive_draft_length": adaptive_draft_length,
             "drafter": drafter_description,
             "drafter_trained": drafter_trained,
+            "chat_template_kwargs": template_kwargs,
             **dict(settings or {}),
         },
         "environment": environment(device),

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from ..bench.methods import BATCH_METHODS, DEFAULT_METHODS, OPTIONAL_METHODS
-from ..runtime import default_threads
+from ..runtime import add_chat_template_kwargs_argument, default_threads
 from ..smollm2 import SHIPPED_DRAFTER
 
 
@@ -33,6 +33,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         default="spread",
         help="'spread': evenly spaced over the dataset (covers MT-Bench's categories); 'first': the first N",
     )
+    add_chat_template_kwargs_argument(parser, "every text prompt of every dataset; recorded in the report")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most per prompt")
     parser.add_argument("--temperatures", default="0,1", help="comma-separated; 0 = greedy, >0 = sampling")
     parser.add_argument(
@@ -233,6 +234,11 @@ def run_bench(args: argparse.Namespace) -> int:
     methods = _requested_methods(args)
 
     tokenizer, assistant, prompt_indices = None, None, {}
+    if args.quick and args.chat_template_kwargs:
+        raise SystemExit(
+            "dflash bench: --chat-template-kwargs has no effect with --quick, whose prompts are random token ids "
+            "(no chat template is applied); leave it out, or benchmark a --target with a chat template."
+        )
     if args.quick:
         target, drafter, datasets = _quick_models(dtype, device, args.block_size)
         datasets = {k: v[: args.num_prompts] for k, v in datasets.items()}
@@ -242,6 +248,11 @@ def run_bench(args: argparse.Namespace) -> int:
         if loaded is None:
             return 1
         target, tokenizer, target_name = loaded
+        if args.chat_template_kwargs and not getattr(tokenizer, "chat_template", None):
+            raise SystemExit(
+                f"dflash bench: --chat-template-kwargs was given, but the tokenizer of {target_name} has no chat "
+                "template (its prompts are encoded as plain text, so there is nothing to pass the variables to)."
+            )
         drafter, description, trained = load_drafter(
             target, args.drafter, args.block_size, args.drafter_layers, args.attn_implementation
         )
@@ -322,6 +333,7 @@ def _run_single_stream_command(
         drafter_description=description,
         drafter_trained=trained,
         settings=settings,
+        chat_template_kwargs=args.chat_template_kwargs,
     )
     paths = write_report(report, args.output_dir, args.name)
     print(format_markdown(report))
@@ -384,7 +396,7 @@ def _run_batch_command(
 ) -> int:
     """`dflash bench --batch-sizes ...`: batched throughput over the prompts of all datasets, in order."""
     from ..bench.batched import format_batch_markdown, run_batch_benchmark
-    from ..bench.report import environment
+    from ..bench.report import chat_template_kwargs_text, environment
     from ..bench.single_stream import encode_prompt
 
     try:
@@ -399,7 +411,8 @@ def _run_batch_command(
     batch_methods = [m for m in requested if m in BATCH_METHODS and m != "baseline"]
     if not batch_methods:
         raise SystemExit(f"dflash bench --batch-sizes: --methods must name at least one of {BATCH_METHODS[1:]}.")
-    prompts = [encode_prompt(tokenizer, p, device)[0] for ps in datasets.values() for p in ps]
+    template_kwargs = dict(args.chat_template_kwargs or {})
+    prompts = [encode_prompt(tokenizer, p, device, template_kwargs)[0] for ps in datasets.values() for p in ps]
     pad_token_id = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
     rows = run_batch_benchmark(
         target,
@@ -420,6 +433,7 @@ def _run_batch_command(
         f"target: {target_name}; drafter: {description}; dtype {dtype_name}",
         f"- prompts: {', '.join(f'{k} ({len(v)})' for k, v in datasets.items())}, cycled to fill each batch; "
         f"max new tokens {args.max_new_tokens}; repeats {args.repeats}; warm-up {args.warmup}",
+        f"- chat template kwargs: {chat_template_kwargs_text(template_kwargs)}",
     )
     markdown = format_batch_markdown(rows, header)
     report = {
@@ -429,6 +443,7 @@ def _run_batch_command(
             "target": target_name,
             "drafter": description,
             "dtype": dtype_name,
+            "chat_template_kwargs": template_kwargs,
         },
         "environment": env,
         "rows": rows,

@@ -12,6 +12,7 @@ be reused (and is tested) with tiny models. torch loads when the command runs, n
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
@@ -19,7 +20,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from ..runtime import default_threads, encode_chat, load_drafter, synchronize
+from ..runtime import add_chat_template_kwargs_argument, default_threads, encode_chat, load_drafter, synchronize
 from ..smollm2 import SHIPPED_DRAFTER
 
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
@@ -77,6 +78,7 @@ class DemoResult:
     drafter_description: str | None = None
     threads: str | None = None  # the thread count and how it was chosen
     busy: list[str] = field(default_factory=list)  # why the machine looked busy before the timing (empty: it did not)
+    chat_template_kwargs: dict = field(default_factory=dict)  # the chat template's extra variables (empty: none)
 
     @property
     def plain_rates(self) -> list[float]:
@@ -150,6 +152,8 @@ def format_report(result: DemoResult) -> str:
         lines.append(f"  threads         : {result.threads}")
     if result.drafter_description:
         lines.append(f"  drafter         : {result.drafter_description}")
+    if result.chat_template_kwargs:
+        lines.append(f"  chat template   : {json.dumps(result.chat_template_kwargs)} (--chat-template-kwargs)")
     notes = list(result.busy)
     noisy = result.noisy()
     if noisy:
@@ -216,16 +220,18 @@ def run_demo(
     out=None,
     threads: str | None = None,
     busy: list[str] | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> DemoResult:
     """Stream one DFlash answer to `prompt`, then time plain `generate()` against DFlash; print and return the result.
 
     Both are greedy, on the same chat-formatted prompt. Each gets one untimed warm-up run, then `repeats` timed runs,
     interleaved (plain, DFlash, plain, DFlash, ...) so that machine noise hits both alike. `threads` (how the thread
-    count was chosen) and `busy` (why the machine looked busy) are printed with the results.
+    count was chosen) and `busy` (why the machine looked busy) are printed with the results. `chat_template_kwargs`
+    (e.g. `{"enable_thinking": False}`) are the chat template's extra variables when the prompt is formatted.
     """
     out = out if out is not None else sys.stdout
     device = next(target.parameters()).device
-    input_ids = encode_chat(tokenizer, prompt, device)
+    input_ids = encode_chat(tokenizer, prompt, device, chat_template_kwargs)
     prompt_len = input_ids.shape[1]
     common = _greedy_kwargs(tokenizer, input_ids, max_new_tokens)
     dflash = dict(common, assistant_model=drafter)
@@ -238,6 +244,7 @@ def run_demo(
         drafter_description=drafter_description,
         threads=threads,
         busy=list(busy or []),
+        chat_template_kwargs=dict(chat_template_kwargs or {}),
     )
     print(
         f"\nTiming plain generate() vs DFlash: greedy, {max_new_tokens} new tokens at most, "
@@ -275,13 +282,15 @@ def thread_candidates(cores: int) -> list[int]:
     return counts + ([cores] if cores > 1 else [])
 
 
-def fastest_threads(target, tokenizer, prompt: str, candidates: list[int], rounds: int = 2) -> dict[int, float]:
+def fastest_threads(
+    target, tokenizer, prompt: str, candidates: list[int], rounds: int = 2, chat_template_kwargs: dict | None = None
+) -> dict[int, float]:
     """{threads: best plain-decoding tokens/s} over `rounds` interleaved rounds of a short greedy `generate()` per
-    candidate (after one warm-up each); torch is left at the fastest."""
+    candidate (after one warm-up each), on `prompt` formatted as the demo formats it; torch is left at the fastest."""
     import torch
 
     device = next(target.parameters()).device
-    input_ids = encode_chat(tokenizer, prompt, device)
+    input_ids = encode_chat(tokenizer, prompt, device, chat_template_kwargs)
     kwargs = _greedy_kwargs(tokenizer, input_ids, PROBE_TOKENS)
     best = dict.fromkeys(candidates, 0.0)
     for round_index in range(rounds + 1):
@@ -363,6 +372,9 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "followed head the block (drafter.ngram_lookup; verified like any draft, so the output is unchanged); 0 "
         "turns it off. Default: the drafter's default for the device (2 on CPU, off elsewhere)",
     )
+    add_chat_template_kwargs_argument(
+        parser, "the prompt's formatting, for the answer, the timed runs and the thread probe"
+    )
     parser.add_argument("--no-stream", action="store_true", help="do not stream the answer while it is generated")
     return parser
 
@@ -423,7 +435,7 @@ def _choose_threads(args, target, tokenizer, device: str) -> tuple[int, str]:
         f"{', '.join(map(str, candidates))} thread(s)...",
         flush=True,
     )
-    rates = fastest_threads(target, tokenizer, args.prompt, candidates)
+    rates = fastest_threads(target, tokenizer, args.prompt, candidates, chat_template_kwargs=args.chat_template_kwargs)
     best = max(rates, key=rates.get)
     measured = ", ".join(f"{n}: {rate:.1f}" for n, rate in rates.items())
     return best, f"{best}, the fastest for plain generate() here (tokens/s with {measured} threads)"
@@ -485,5 +497,6 @@ def run_demo_command(args: argparse.Namespace) -> int:
         drafter_description=description,
         threads=how,
         busy=busy,
+        chat_template_kwargs=args.chat_template_kwargs,
     )
     return 0

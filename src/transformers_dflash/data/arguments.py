@@ -4,7 +4,6 @@ loading the target and tokenizer, building the engine, and `run_regenerate`."""
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ..runtime import add_chat_template_kwargs_argument
 from .errors import DataError
 from .prompts import DEFAULT_NUM_COMPOSED, load_prompts
 from .regeneration import _chat_messages, _chat_token_ids, _eos_ids, default_engine, regenerate
@@ -67,12 +67,7 @@ def add_regenerate_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
     parser.add_argument(
         "--chat-template", default=None, metavar="FILE", help="Jinja chat template file, for a tokenizer without one"
     )
-    parser.add_argument(
-        "--chat-template-kwargs",
-        default=None,
-        metavar="JSON",
-        help="extra chat template variables, e.g. '{\"enable_thinking\": false}'",
-    )
+    add_chat_template_kwargs_argument(parser, "every prompt's formatting; sent to --engine openai servers too")
     parser.add_argument(
         "--dtype",
         default="auto",
@@ -287,7 +282,7 @@ def build_engine(args: argparse.Namespace, target: Any, tokenizer: Any, chat_pro
         # a --chat-template of the user's own is not the server's: compare chat formatting only
         # when both use the target's template
         chat_probe_messages=None if args.chat_template else _chat_messages(PROBE_PROMPT, args.system_prompt),
-        chat_template_kwargs=json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else None,
+        chat_template_kwargs=args.chat_template_kwargs or None,
     )
 
 
@@ -308,7 +303,7 @@ def run_regenerate(args: argparse.Namespace) -> int:
     chat_template = None
     if args.chat_template:
         chat_template = Path(args.chat_template).read_text(encoding="utf-8")
-    template_kwargs = json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else None
+    template_kwargs = args.chat_template_kwargs or None
 
     source, prompts = load_prompts(
         args.prompts,
