@@ -264,7 +264,7 @@ def build_engine(args: argparse.Namespace, target: Any, tokenizer: Any, chat_pro
             eos_ids,
             system_prompt=args.system_prompt,
             chat_template=Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None,
-            chat_template_kwargs=json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else None,
+            chat_template_kwargs=args.chat_template_kwargs or None,
         )
     if not args.server_url:
         raise DataError("--engine openai needs --server-url (the server's base URL, e.g. http://127.0.0.1:8000)")
