@@ -6,7 +6,10 @@ a local folder; `code_files.py` reads the list of carried files from here. Impor
 so that `target.generate(input_ids, assistant_model=drafter)` drafts with DFlash.
 
 The released DFlash checkpoints name the same entry point; their config.json says `model_type: "qwen3"`, which
-`DFlashDraftModel.from_pretrained` re-reads as a `DFlashConfig`.
+`DFlashDraftModel.from_pretrained` re-reads as a `DFlashConfig`. The DFlash authors' own folders carry their own
+`dflash.py`: an instance of that class passed as `assistant_model` is adopted by the generation hook
+(`DFlashDraftModel.from_released_model`, same weights), and one of those folders loaded without its code (a plain
+`Qwen3Model`) is refused there with the call to make instead.
 """
 
 from .candidate_generator import DFlashCandidateGenerator

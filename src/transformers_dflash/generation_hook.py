@@ -7,6 +7,12 @@ which decoding code serves drafters of `drafter_class`:
   return sequences), with messages that say how to fix the call;
 - `_assisted_decoding`: runs `dflash_decoding` instead of transformers' batch-1 assisted loop.
 
+A DFlash drafter checkpoint loaded by other code (its config carries a `dflash_config` but its class is not
+registered) is handed to the first registered class that offers `from_released_model`: z-lab's own `dflash.py` class
+is adopted (our drafter holding its very weights decodes, and its `last_acceptance_lengths` are set on it too), and a
+released folder loaded as a plain transformers model (`Qwen3Model`, which dropped the drafter's weights) is refused
+before transformers runs, with the call to make instead.
+
 Every other assistant (a classic assistant model, prompt lookup, ...) keeps transformers' own behaviour. The
 registry lives on `GenerationMixin`, so a drafter loaded with `trust_remote_code` runs the code saved next to it even
 when another copy of this package installed the wrappers first.
@@ -80,6 +86,25 @@ def _implementation(assistant_model):
     return next((registry[c] for c in type(assistant_model).__mro__ if c in registry), None)
 
 
+def _dflash_drafter(assistant_model):
+    """(drafter, implementation) that serves `assistant_model`, or None for assistants that are not DFlash drafters.
+
+    A registered drafter serves itself. A DFlash checkpoint loaded by other code (its config carries a
+    `dflash_config`) is turned into a drafter by the first registered class that offers `from_released_model`, which
+    raises a ValueError for a model that cannot draft (a released folder loaded as a plain `Qwen3Model`)."""
+    from transformers.generation.utils import GenerationMixin
+
+    implementation = _implementation(assistant_model)
+    if implementation is not None:
+        return assistant_model, implementation
+    if not isinstance(getattr(getattr(assistant_model, "config", None), "dflash_config", None), dict):
+        return None
+    for drafter_class, implementation in getattr(GenerationMixin, "_dflash_implementations", {}).items():
+        if hasattr(drafter_class, "from_released_model"):
+            return drafter_class.from_released_model(assistant_model), implementation
+    return None
+
+
 def install_generation_hook(drafter_class: type) -> None:
     """Route `generate(..., assistant_model=<drafter_class instance>)` to this file's DFlash decoding. Idempotent."""
     from transformers.generation.utils import GenerationMixin
@@ -94,19 +119,25 @@ def install_generation_hook(drafter_class: type) -> None:
 
     @functools.wraps(original_generate)
     def generate(self, *args, **kwargs):
-        implementation = _implementation(kwargs.get("assistant_model"))
-        if implementation is None:
+        assistant = kwargs.get("assistant_model")
+        served = _dflash_drafter(assistant)
+        if served is None:
             return original_generate(self, *args, **kwargs)
-        kwargs = implementation[0](kwargs["assistant_model"], self, args, kwargs)
-        # transformers refuses assisted generation for every stateful model; the checks above accepted this one, whose
-        # recurrent state DFlash decoding rolls back (state_rollback.py). Lift the flag for this call only.
-        if not getattr(self, "_is_stateful", False):
-            return original_generate(self, *args, **kwargs)
-        self._is_stateful = False
+        drafter, implementation = served
+        kwargs = dict(implementation[0](drafter, self, args, kwargs), assistant_model=drafter)
         try:
-            return original_generate(self, *args, **kwargs)
+            # transformers refuses assisted generation for every stateful model; the checks above accepted this one,
+            # whose recurrent state DFlash decoding rolls back (state_rollback.py). Lift the flag for this call only.
+            if not getattr(self, "_is_stateful", False):
+                return original_generate(self, *args, **kwargs)
+            self._is_stateful = False
+            try:
+                return original_generate(self, *args, **kwargs)
+            finally:
+                del self._is_stateful
         finally:
-            del self._is_stateful
+            if drafter is not assistant:  # an adopted drafter: its statistics are read on the model the user passed
+                assistant.last_acceptance_lengths = getattr(drafter, "last_acceptance_lengths", [])
 
     @functools.wraps(original_assisted_decoding)
     def _assisted_decoding(self, input_ids, *args, assistant_model=None, **kwargs):

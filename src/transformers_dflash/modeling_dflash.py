@@ -327,6 +327,19 @@ class DFlashDecoderLayer(nn.Module):
         return residual + hidden_states
 
 
+# Where `DFlashDraftModel.from_released_model` caches its drafter on the foreign model (in `__dict__`).
+_ADOPTED_DRAFTER = "_dflash_adopted_drafter"
+
+# Run-time settings of `DFlashDraftModel` (not saved with a checkpoint), read by the decoding path.
+RUN_TIME_SETTINGS = ("draft_length", "ngram_lookup", "fast_cpu_linears")
+
+
+def _holds_parameters_of(drafter: nn.Module, module: nn.Module) -> bool:
+    """Whether `drafter` still holds `module`'s current Parameter and buffer objects, name for name."""
+    mine, theirs = drafter.state_dict(keep_vars=True), module.state_dict(keep_vars=True)
+    return mine.keys() == theirs.keys() and all(mine[name] is theirs[name] for name in mine)
+
+
 class DFlashPreTrainedModel(PreTrainedModel):
     config_class = DFlashConfig
     base_model_prefix = "dflash"
@@ -468,6 +481,104 @@ class DFlashDraftModel(DFlashPreTrainedModel):
                 "input/post_attention_layernorm, fc, hidden_norm and norm weights."
             )
         return (model, info) if wants_info else model
+
+    @classmethod
+    def from_released_model(cls, module: nn.Module) -> "DFlashDraftModel":
+        """This class's drafter holding the very weights of `module`, a released DFlash drafter built by other code
+        (z-lab's own `dflash.py`, loaded with `AutoModel.from_pretrained(path, trust_remote_code=True)`).
+
+        Such a model has the released layout's modules (`layers`, `fc`, `hidden_norm`, `norm`) and a Qwen3 config
+        with a `dflash_config`, but its own forward and `spec_generate`. The drafter returned here is built on the
+        meta device and then takes `module`'s Parameter objects themselves (nothing is copied): it follows
+        `module`'s dtype and device, also after `module.to(...)`. It is cached on `module` (outside its submodules and
+        its state dict), so later calls return the same drafter until `module`'s parameters are replaced.
+
+        `target.generate(input_ids, assistant_model=module)` calls this and decodes with the result. The run-time
+        settings `draft_length`, `ngram_lookup` and `fast_cpu_linears` set on `module` are copied to the drafter on
+        every call; the statistics (`last_acceptance_lengths`) live on the drafter, and `generate` also sets them on
+        `module`.
+
+        A model whose config carries a `dflash_config` but that lacks those modules (a released folder loaded
+        without its code, as a plain `Qwen3Model`: fc and hidden_norm weights dropped, embeddings random) is refused
+        with a ValueError that names the call to make instead, and so is one whose tensors do not match this layout.
+        """
+        if isinstance(module, cls):
+            return module
+        cached = module.__dict__.get(_ADOPTED_DRAFTER)
+        if cached is None or not _holds_parameters_of(cached, module):
+            cached = cls._adopt(module)
+            module.__dict__[_ADOPTED_DRAFTER] = cached  # not a submodule: module's state dict stays the released one
+        for name in RUN_TIME_SETTINGS:
+            if name in module.__dict__:
+                setattr(cached, name, module.__dict__[name])
+        return cached
+
+    @classmethod
+    def _adopt(cls, module: nn.Module) -> "DFlashDraftModel":
+        foreign = getattr(module, "config", None)
+        if not isinstance(getattr(foreign, "dflash_config", None), dict):
+            raise ValueError(
+                f"{type(module).__name__} is not a DFlash drafter: its config has no dflash_config. Load a DFlash "
+                "drafter with transformers_dflash.DFlashDraftModel.from_pretrained(path), or build one for a target "
+                "with DFlashDraftModel.from_target(target)."
+            )
+        path = getattr(foreign, "_name_or_path", "") or "<the drafter's folder or Hub id>"
+        missing = [
+            name
+            for name in ("layers", "fc", "hidden_norm", "norm")
+            if not isinstance(getattr(module, name, None), nn.Module)
+        ]
+        if missing:
+            randomised = sorted(
+                {n.rsplit(".", 1)[-1] for n, _ in module.named_modules() if n.endswith(("embed_tokens", "lm_head"))}
+            )
+            also = (
+                f", and its {' and '.join(randomised)} weights are random (a DFlash checkpoint stores none)"
+                if randomised
+                else ""
+            )
+            raise ValueError(
+                f"This {type(module).__name__} is a DFlash drafter checkpoint ({path}; its config carries a "
+                f"dflash_config) loaded without the DFlash code, as a plain transformers model: it has no "
+                f"{' or '.join(missing)} module, so the checkpoint's fc and hidden_norm weights were dropped at loading"
+                f"{also}. It cannot draft. Load the drafter with "
+                f"transformers_dflash.DFlashDraftModel.from_pretrained({path!r}) instead (no code from the folder "
+                f"runs), or convert the folder once with `dflash export --layout hub --out my-drafter {path}` and load "
+                "that with AutoModel.from_pretrained('my-drafter', trust_remote_code=True)."
+            )
+        settings = {
+            k: v for k, v in foreign.to_dict().items() if k not in ("model_type", "transformers_version", "auto_map")
+        }
+        config = DFlashConfig(**settings)
+        attn = getattr(foreign, "_attn_implementation", None)
+        config._attn_implementation = attn if attn in ("eager", "sdpa", "flash_attention_2") else "sdpa"
+        state = module.state_dict(keep_vars=True)  # the Parameter objects themselves: assigned below, not copied
+        if any(t.is_meta for t in state.values()):
+            raise ValueError(
+                f"Some of {type(module).__name__}'s weights are on the meta device (offloaded by a device_map): load "
+                f"the drafter on one device, e.g. transformers_dflash.DFlashDraftModel.from_pretrained({path!r})."
+            )
+        with torch.device("meta"):
+            drafter = cls(config)
+        drafter.rotary_emb = DFlashRotaryEmbedding(config)  # holds no tensors of the checkpoint; frequencies off meta
+        expected = set(drafter.state_dict())
+        problems = {"missing": sorted(expected - set(state)), "unexpected": sorted(set(state) - expected)}
+        problems = {kind: names for kind, names in problems.items() if names}
+        if problems:
+            details = "; ".join(f"{kind} tensors: {names[:8]}" for kind, names in problems.items())
+            raise ValueError(
+                f"{type(module).__name__} carries a dflash_config but its tensors do not match the DFlash drafter "
+                f"layout ({details}). Load its folder with transformers_dflash.DFlashDraftModel.from_pretrained({path!r}), "
+                "which reports what the checkpoint lacks."
+            )
+        try:
+            drafter.load_state_dict(state, strict=True, assign=True)
+        except RuntimeError as error:  # size mismatches
+            raise ValueError(
+                f"{type(module).__name__}'s tensors do not have the shapes its config implies ({error}); its config "
+                "belongs to another drafter."
+            ) from error
+        return drafter.train(module.training)
 
     def forward(
         self,

@@ -4,7 +4,15 @@ architecture name: `model_type: "qwen3"`, `architectures: ["DFlashDraftModel"]`,
 top level too (older readers look there, Qwen3.5-era readers in `dflash_config`). `auto_map` names `dflash.py`, our
 core's own entry point: the folder carries our core files, so `AutoModel.from_pretrained(..., trust_remote_code=True)`
 gives our `DFlashDraftModel` (whose `from_pretrained` re-reads the `qwen3`-typed config.json as a `DFlashConfig`) and
-our API (`generate(assistant_model=drafter)`), not the original repository's `spec_generate`."""
+our API (`generate(assistant_model=drafter)`), not the original repository's `spec_generate`.
+
+The DFlash authors' own released folders (z-lab) have the same config.json and tensor names but carry THEIR
+`dflash.py`. With this package imported they load either way: `DFlashDraftModel.from_pretrained(path)` reads the
+config and weights and runs none of the folder's code; `AutoModel.from_pretrained(path, trust_remote_code=True)` gives
+their class, whose instance `generate(assistant_model=...)` adopts (`DFlashDraftModel.from_released_model`: our drafter
+holding the same Parameter objects decodes). Loaded without code (no `trust_remote_code`, or a copy without
+`dflash.py`), such a folder becomes a plain `Qwen3Model` with its `fc`/`hidden_norm` dropped and random embeddings;
+`generate` refuses it and names `DFlashDraftModel.from_pretrained(path)` instead (`generation_hook.py`)."""
 
 from __future__ import annotations
 
