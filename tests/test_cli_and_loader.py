@@ -627,3 +627,29 @@ def test_fastest_threads_measures_each_candidate():
     rates = demo.fastest_threads(target, tokenizer, "why is the sky blue", [1, 2], rounds=1)
     assert set(rates) == {1, 2} and all(rate > 0 for rate in rates.values())
     assert torch.get_num_threads() == max(rates, key=rates.get)
+
+
+def test_cli_prints_input_errors_without_a_traceback(monkeypatch, capsys):
+    from transformers_dflash import cli
+    from transformers_dflash.cli import deferred
+
+    argv = ["features", "--data", "in", "--out", "out"]
+
+    def refuse(args):
+        raise ValueError("--data in holds no shards: regenerate first")
+
+    monkeypatch.setattr(deferred, "run_features", refuse)
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "dflash features: error: --data in holds no shards: regenerate first" in err and "Traceback" not in err
+    monkeypatch.setenv("DFLASH_TRACEBACK", "1")  # asked for: the traceback
+    with pytest.raises(ValueError, match="no shards"):
+        cli.main(argv)
+    monkeypatch.delenv("DFLASH_TRACEBACK")
+
+    def bug(args):
+        raise KeyError("a bug, not bad input")
+
+    monkeypatch.setattr(deferred, "run_features", bug)
+    with pytest.raises(KeyError):  # a bug keeps its traceback
+        cli.main(argv)

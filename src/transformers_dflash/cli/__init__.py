@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
 
 # (command, module, function adding its options, function running it, one-line help)
@@ -185,5 +186,17 @@ def main(argv: list[str] | None = None) -> int:
     from .. import register
 
     register()  # the `dflash` script defers it (see transformers_dflash/__init__.py); a no-op elsewhere
-    result = run(args)
+    try:
+        result = run(args)
+    except Exception as error:
+        if not _is_input_error(error) or os.environ.get("DFLASH_TRACEBACK"):
+            raise
+        # Our checks explain what is wrong and how to fix it; the stack behind them would only bury that.
+        print(f"dflash {args.command}: error: {error}\n(set DFLASH_TRACEBACK=1 to see where)", file=sys.stderr)
+        return 1
     return result if isinstance(result, int) else 0
+
+
+def _is_input_error(error: Exception) -> bool:
+    """A refusal of bad input: a ValueError, or one of this package's own error types (data, engine errors)."""
+    return isinstance(error, ValueError) or type(error).__module__.startswith("transformers_dflash")
