@@ -6,16 +6,20 @@ convolution state (state_rollback.py).
 - after every step the cached state equals what plain decoding of the committed tokens leaves;
 - batches: rows finishing at different steps leave the batch, left padding, rows equal plain batched generate();
 - sampling is distributed as the target's (chi-square, helpers of tests/test_generation_sampling.py);
-- what cannot be rolled back is refused with an error that names the state.
+- what cannot be rolled back is refused with an error that names the state;
+- Qwen3.5 as a vision-language model: text, image and video prompts (one row and left-padded batches, greedy and
+  sampled) equal plain generate(); LLaVA image prompts too (transformers 5.x); an image prompt for a text-only
+  target, or one DFlash cannot continue, is refused.
 """
 
 import contextlib
 
 import pytest
 import torch
-from conftest import PAD, VOCAB, make_drafter
+from conftest import PAD, VOCAB, make_drafter, make_target
 from families import FAMILIES, HYBRID, MAJOR, available, left_pad, make_family_target
 from test_generation_sampling import NEW, TEMPERATURE, TOP_K, _chi_square, _critical_value, _exact_distribution
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
 from transformers_dflash import DFlashCandidateGenerator, decoding, state_rollback
 from transformers_dflash.state_rollback import STATE_CONTINUING_MODEL_TYPES, StateRollback, check_state_rollback
@@ -258,7 +262,11 @@ def test_the_stateful_flag_is_restored_after_generate():
 # --- Qwen3.5 as a vision-language model, and the released Qwen3.6-27B-DFlash layout ---------------------------------
 
 
-def _qwen3_5_vl():
+IMAGE, VIDEO, VISION_START, VISION_END = 90, 91, 92, 93  # the token ids of `_qwen3_5_vl`
+PATCH_FEATURES = 3 * 1 * 4 * 4  # channels x temporal_patch_size x patch_size x patch_size
+
+
+def _qwen3_5_vl(dtype=torch.float64, scale=5.0):
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     text = dict(
@@ -294,12 +302,34 @@ def _qwen3_5_vl():
         vision_end_token_id=93,
     )
     torch.manual_seed(0)
-    model = Qwen3_5ForConditionalGeneration(config).to(torch.float64).eval()
+    model = Qwen3_5ForConditionalGeneration(config).to(dtype).eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
-                p.mul_(5.0)
+                p.mul_(scale)
     return model
+
+
+def _vision_prompts(rows, modality="image", seed=0, dtype=torch.float64):
+    """Prompts for `_qwen3_5_vl` as its processor lays them out: each row is (text before, grid (t, h, w) or None,
+    text after); an image is [vision_start, image x h*w, vision_end] (merge size 1), a video one such group per frame.
+    Returns left-padded ids, their mask (None for one row) and the media inputs of generate()."""
+    g = torch.Generator().manual_seed(seed)
+    prompts, patches, grids = [], [], []
+    for before, grid, after in rows:
+        media = []
+        if grid is not None:
+            t, h, w = grid
+            token = IMAGE if modality == "image" else VIDEO
+            media = ([VISION_START] + [token] * (h * w) + [VISION_END]) * t
+            patches.append(torch.randn(t * h * w, PATCH_FEATURES, generator=g).to(dtype))
+            grids.append(list(grid))
+        prompts.append(torch.tensor(before + media + after))
+    ids, mask = left_pad(prompts)
+    types = torch.where(ids == IMAGE, 1, torch.where(ids == VIDEO, 2, 0)) * mask
+    prefix = "pixel_values" if modality == "image" else "pixel_values_videos"
+    inputs = {prefix: torch.cat(patches), f"{modality}_grid_thw": torch.tensor(grids), "mm_token_type_ids": types}
+    return ids, (mask if len(rows) > 1 else None), inputs
 
 
 @pytest.mark.skipif(MAJOR < 5, reason="Qwen3.5 exists in transformers >= 5 only")
@@ -312,15 +342,223 @@ def test_qwen3_5_vision_language_model_with_text_prompts(oracle):
     oracle([expected[0]], corrupt=0.3)
     assert torch.equal(target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=drafter), expected)
     assert any(n > 1 for n in drafter.last_acceptance_lengths)
-    # image inputs would not reach the target through DFlash decoding: refused, never silently ignored
-    with pytest.raises(ValueError, match=r"text prompts only.*\['image_grid_thw', 'pixel_values'\]"):
-        target.generate(
-            prompt,
-            max_new_tokens=4,
+
+
+@pytest.mark.skipif(MAJOR < 5, reason="Qwen3.5 exists in transformers >= 5 only")
+@pytest.mark.parametrize("modality, grid", [("image", (1, 2, 4)), ("video", (2, 2, 2))])
+def test_qwen3_5_image_and_video_prompts(modality, grid, oracle, monkeypatch):
+    """The media inputs reach the target's prefill, and every later forward gets the multimodal RoPE positions plain
+    generate() gives (shifted by rope_deltas after the image): equal output with a random drafter and with partial
+    acceptance. With the token-index positions the drafter uses instead, the output differs."""
+    target = _qwen3_5_vl()
+    ids, _, inputs = _vision_prompts([([5, 6, 40], grid, [41, 7, 8, 9])], modality)
+    kwargs = dict(max_new_tokens=20, do_sample=False, **inputs)
+    expected = target.generate(ids, **kwargs)
+    assert int(target.model.rope_deltas) < 0  # later text positions are not the token indices
+    other_pixels = {k: v + 1 if k.startswith("pixel") else v for k, v in inputs.items()}
+    assert not torch.equal(target.generate(ids, max_new_tokens=20, do_sample=False, **other_pixels), expected)
+    drafter = _drafter(target)
+    assert torch.equal(target.generate(ids, assistant_model=drafter, **kwargs), expected)
+    oracle([expected[0]], corrupt=0.3)
+    assert torch.equal(target.generate(ids, assistant_model=drafter, **kwargs), expected)
+    assert any(n > 1 for n in drafter.last_acceptance_lengths)
+    monkeypatch.setattr(decoding.DecodingState, "follow_target_positions", lambda self, prepared: None)
+    assert not torch.equal(target.generate(ids, assistant_model=drafter, **kwargs), expected)
+
+
+@pytest.mark.skipif(MAJOR < 5, reason="Qwen3.5 exists in transformers >= 5 only")
+def test_qwen3_5_left_padded_batch_with_images(oracle):
+    """Rows with images of different sizes and a text-only row, left-padded; EOS ends rows at different steps (their
+    position offsets leave the batch with them). Rows equal plain batched generate()."""
+    target = _qwen3_5_vl()
+    rows = [([5], (1, 2, 4), [7, 8]), ([11, 12, 13, 14], (1, 2, 2), [20, 21, 22, 23, 24]), ([30, 31, 32], None, [])]
+    ids, mask, inputs = _vision_prompts(rows)
+    free = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=PAD, **inputs)
+    eos = sorted({int(free[0, ids.shape[1] + 4]), int(free[2, ids.shape[1] + 11])})
+    kwargs = dict(max_new_tokens=20, do_sample=False, eos_token_id=eos, pad_token_id=PAD, attention_mask=mask)
+    expected = target.generate(ids, **kwargs, **inputs)
+    drafter = _drafter(target)
+    assert torch.equal(target.generate(ids, assistant_model=drafter, **kwargs, **inputs), expected)
+    oracle([row[int(m.argmax()) :] for row, m in zip(expected, mask)], corrupt=0.3, seed=6)
+    assert torch.equal(target.generate(ids, assistant_model=drafter, **kwargs, **inputs), expected)
+    assert any(n > 1 for row in drafter.last_acceptance_lengths for n in row)
+    assert len({sum(row) for row in drafter.last_acceptance_lengths}) > 1  # rows finished at different steps
+
+
+@torch.no_grad()
+def _exact_distribution_with_media(target, ids, inputs):
+    """`_exact_distribution` for a prompt with media: full forwards (the model computes its own multimodal RoPE
+    positions from the token types), over the tokens top-k leaves."""
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(TEMPERATURE), TopKLogitsWarper(TOP_K)])
+    probs = {}
+
+    def walk(prefix, p):
+        if len(prefix) == ids.shape[1] + NEW:
+            probs[tuple(prefix[ids.shape[1] :])] = p
+            return
+        prefix_ids = torch.tensor([prefix])
+        types = torch.nn.functional.pad(inputs["mm_token_type_ids"], (0, len(prefix) - ids.shape[1]))
+        logits = target(input_ids=prefix_ids, **dict(inputs, mm_token_type_ids=types)).logits[:, -1].float()
+        step = torch.softmax(warpers(prefix_ids, logits), dim=-1)[0]
+        for token in step.nonzero()[:, 0].tolist():
+            walk(prefix + [token], p * float(step[token]))
+
+    walk(ids[0].tolist(), 1.0)
+    return probs
+
+
+@pytest.mark.skipif(MAJOR < 5, reason="Qwen3.5 exists in transformers >= 5 only")
+def test_qwen3_5_sampling_with_an_image_matches_the_target_distribution(monkeypatch):
+    """Sampling after an image prompt is distributed as the target's (the image and its RoPE positions included);
+    proposals are the target's mode continuation, so drafts are often accepted and often rejected."""
+    target = _qwen3_5_vl(dtype=torch.float32, scale=2.5)
+    ids, _, inputs = _vision_prompts([([4], (1, 2, 2), [3])], dtype=torch.float32)
+    probs = _exact_distribution_with_media(target, ids, inputs)
+    drafter = _drafter(target)
+    original = DFlashCandidateGenerator.draft
+
+    def repeated(rows, length):  # the media inputs of `rows` copies of the prompt, token types up to `length`
+        types = torch.nn.functional.pad(inputs["mm_token_type_ids"], (0, length - ids.shape[1]))
+        return dict(
+            pixel_values=inputs["pixel_values"].repeat(rows, 1),
+            image_grid_thw=inputs["image_grid_thw"].repeat(rows, 1),
+            mm_token_type_ids=types.repeat(rows, 1),
+        )
+
+    def draft(self, anchor_ids, anchor_position_ids, *args, **kwargs):
+        drafts, confidence = original(self, anchor_ids, anchor_position_ids, *args, **kwargs)
+        # the target's most likely continuation of [prompt, anchor]: accepted often, rejected often
+        prefix = torch.cat([ids.repeat(anchor_ids.shape[0], 1), anchor_ids[:, None]], dim=1)
+        for k in range(drafts.shape[1]):
+            media = repeated(prefix.shape[0], prefix.shape[1])
+            drafts[:, k] = target(input_ids=prefix, **media).logits[:, -1].argmax(-1)
+            prefix = torch.cat([prefix, drafts[:, k : k + 1]], dim=1)
+        return drafts, confidence
+
+    monkeypatch.setattr(DFlashCandidateGenerator, "draft", draft)
+    torch.manual_seed(0)
+    counts, accepted = {}, []
+    for _ in range(SAMPLES // BATCH):
+        out = target.generate(
+            ids.repeat(BATCH, 1),
+            do_sample=True,
+            temperature=TEMPERATURE,
+            top_k=TOP_K,
+            max_new_tokens=NEW,
+            pad_token_id=0,
             assistant_model=drafter,
-            pixel_values=torch.zeros(4, 48),
+            **repeated(BATCH, ids.shape[1]),
+        )
+        for row in out[:, ids.shape[1] :].tolist():
+            counts[tuple(row)] = counts.get(tuple(row), 0) + 1
+        accepted += [n for row in drafter.last_acceptance_lengths for n in row[1:]]
+    stat, df, outside = _chi_square(counts, probs, SAMPLES)
+    assert outside == 0, "DFlash sampled a sequence the target gives probability 0"
+    assert stat < _critical_value(df), f"chi2={stat:.1f} over {df} df: DFlash sampling is not the target's"
+    assert max(accepted) > 1 and min(accepted) == 1  # drafts were accepted, and rejected
+
+
+def _llava():
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    text = dict(
+        model_type="llama",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=512,
+        pad_token_id=PAD,
+    )
+    vision = dict(
+        model_type="clip_vision_model",
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=8,
+        patch_size=4,
+    )
+    config = LlavaConfig(
+        text_config=text, vision_config=vision, image_token_index=IMAGE, vision_feature_select_strategy="default"
+    )
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config).to(torch.float64).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(5.0)
+    return model
+
+
+def test_llava_image_prompts(oracle):
+    """The same mechanism for a vision-language target with plain 1-D RoPE (LLaVA: a CLIP tower in front of Llama,
+    4 image tokens of an 8x8 image): lossless on transformers 5.x; refused on 4.x, whose generate() prepares no
+    prompt position ids for DFlash to continue."""
+    target = _llava()
+    ids = torch.tensor([[5, 6] + [IMAGE] * 4 + [7, 8, 9]])
+    pixel_values = torch.randn(1, 3, 8, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    kwargs = dict(max_new_tokens=20, do_sample=False, pixel_values=pixel_values)
+    expected = target.generate(ids, **kwargs)
+    assert not torch.equal(target.generate(ids, **dict(kwargs, pixel_values=pixel_values + 1)), expected)
+    drafter = _drafter(target)
+    if MAJOR < 5:
+        with pytest.raises(ValueError, match=r"\['pixel_values'\]\) with a DFlash drafter need transformers >= 5"):
+            target.generate(ids, assistant_model=drafter, **kwargs)
+        return
+    assert torch.equal(target.generate(ids, assistant_model=drafter, **kwargs), expected)
+    oracle([expected[0]], corrupt=0.3)
+    assert torch.equal(target.generate(ids, assistant_model=drafter, **kwargs), expected)
+    assert any(n > 1 for n in drafter.last_acceptance_lengths)
+
+
+def _text_only_targets():
+    targets = [pytest.param(lambda: make_target("llama"), id="llama")]
+    if MAJOR >= 5:
+        targets.append(pytest.param(lambda: make_family_target("qwen3_5"), id="qwen3_5_causal_lm"))
+    return targets
+
+
+@pytest.mark.parametrize("build", _text_only_targets())
+def test_an_image_prompt_for_a_text_only_target_is_refused(build):
+    """Qwen3_5ForCausalLM (the text model of Qwen3.5) and Llama take no pixel inputs: the image would be lost."""
+    target = build()
+    with pytest.raises(ValueError, match=r"takes no \['image_grid_thw', 'pixel_values'\]: it is a text-only model"):
+        target.generate(
+            torch.tensor([[5, VISION_START, IMAGE, IMAGE, IMAGE, IMAGE, VISION_END, 7]]),
+            max_new_tokens=4,
+            assistant_model=make_drafter(target),
+            pixel_values=torch.zeros(4, PATCH_FEATURES),
             image_grid_thw=torch.tensor([[1, 2, 2]]),
         )
+
+
+@pytest.mark.skipif(MAJOR < 5, reason="Qwen3.5 exists in transformers >= 5 only")
+def test_image_prompts_that_dflash_cannot_continue_are_refused(monkeypatch):
+    """Where generate() does not prepare the prompt's position ids (transformers 4.x), or the target prepares its
+    later decoding steps' inputs itself, an image prompt is refused instead of decoded differently."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from transformers_dflash import target_model
+
+    target = _qwen3_5_vl()
+    ids, _, inputs = _vision_prompts([([5], (1, 2, 2), [7])])
+    drafter = make_drafter(target)
+    monkeypatch.setattr(target_model, "generate_prepares_position_ids", lambda: False)
+    with pytest.raises(ValueError, match=r"need transformers >= 5"):
+        target.generate(ids, max_new_tokens=4, assistant_model=drafter, **inputs)
+    monkeypatch.undo()
+
+    class OwnDecodingInputs(Qwen3_5ForConditionalGeneration):
+        def prepare_inputs_for_generation(self, *args, **kwargs):
+            return super().prepare_inputs_for_generation(*args, **kwargs)
+
+    target.__class__ = OwnDecodingInputs
+    with pytest.raises(ValueError, match=r"OwnDecodingInputs overrides \['prepare_inputs_for_generation'\]"):
+        target.generate(ids, max_new_tokens=4, assistant_model=drafter, **inputs)
 
 
 @pytest.mark.skipif(MAJOR < 5, reason="Qwen3.5 / 3.6 targets exist in transformers >= 5 only")

@@ -23,6 +23,14 @@ are tracked per row, so RoPE sees true positions despite holes and left padding.
 Hybrid targets (linear-attention / state-space layers, `state_rollback.py`): their recurrent state cannot be cropped
 or have holes, so it is copied before each verification and, after a partly kept block, restored and advanced by
 re-feeding the kept tokens; their batched rows commit the same number of tokens per step.
+
+Image / video prompts (vision-language targets such as Qwen3_5ForConditionalGeneration): the media inputs generate()
+prepared go to the prefill forward only, so the drafter sees the target's features of the image tokens like any
+others. The target's position ids are those generate() prepared for the prompt (Qwen's multimodal RoPE ids, after
+an image shifted from the token index by `rope_deltas`), continued as plain decoding continues them: each axis
+advances by one per committed token. The state tracks one position per token (the token index, left padding
+excluded), which the drafter uses for its own RoPE, and a per-row, per-axis offset maps it to the target's
+(`DecodingState.target_positions`).
 """
 
 import contextlib
@@ -35,7 +43,13 @@ from .candidate_generator import DFlashCandidateGenerator
 from .kernels import cpu_kernels
 from .prefill import grouped_prefill, prefill_groups
 from .state_rollback import StateRollback, legacy_qwen3_next_continuation
-from .target_model import cache_keyword, has_sliding_window, new_target_cache
+from .target_model import (
+    cache_keyword,
+    generate_prepares_position_ids,
+    has_sliding_window,
+    new_target_cache,
+    prompt_inputs,
+)
 from .verification import accept_lengths, align_continuing_rows, choose_tokens, process_logits, stop_lengths
 
 
@@ -62,10 +76,13 @@ def dflash_decoding(
     cache = new_target_cache(target, model_kwargs, generation_config)
     rollback = StateRollback.for_target(target, cache)  # None for attention-only targets
     state = DecodingState(input_ids, attention_mask, generation_config, cache, streamer, rollback)
+    if generate_prepares_position_ids():  # transformers >= 5; 4.x made position ids per step, from the mask
+        state.follow_target_positions(model_kwargs.get("position_ids"))
+    media = prompt_inputs(target, model_kwargs)  # image / video inputs: the prefill's only
     generator = DFlashCandidateGenerator(drafter, target, generation_config, logits_processor)
     forward_keyword = cache_keyword(target)
 
-    def target_forward(ids, position_ids, mask, keep, into=cache):
+    def target_forward(ids, position_ids, mask, keep, into=cache, **inputs):
         return target(
             input_ids=ids,
             position_ids=position_ids,
@@ -73,6 +90,7 @@ def dflash_decoding(
             use_cache=True,
             logits_to_keep=keep,
             **{forward_keyword: into},
+            **inputs,
         ).logits
 
     # Sliding-window layers measure their window in cache slots; holes left by ragged acceptance would shrink the
@@ -84,7 +102,15 @@ def dflash_decoding(
     with kernels, legacy_qwen3_next_continuation(target):  # the latter: transformers 4.57's Qwen3-Next only
         try:
             keep = prefill(
-                state, input_ids, target, target_forward, generator, logits_processor, stopping_criteria, do_sample
+                state,
+                input_ids,
+                target,
+                target_forward,
+                generator,
+                logits_processor,
+                stopping_criteria,
+                do_sample,
+                media,
             )
             while keep:
                 state.drop_finished(keep, generator.cache)
@@ -93,9 +119,10 @@ def dflash_decoding(
                 verify_start = time.perf_counter()
                 candidates = torch.cat([state.anchor[:, None], drafts], dim=1)  # 2. verify
                 block_positions = state.open_block(candidates.shape[1])
+                target_positions = state.target_positions(block_positions)
                 if rollback is not None:
                     rollback.snapshot()
-                raw = target_forward(candidates, block_positions, state.context_mask, candidates.shape[1]).float()
+                raw = target_forward(candidates, target_positions, state.context_mask, candidates.shape[1]).float()
                 processed = process_logits(
                     logits_processor, state.sequences, state.active, state.lengths, candidates, raw
                 )
@@ -120,7 +147,7 @@ def dflash_decoding(
                 if keep:
                     state.close_block(choices, num_new, keep, block_positions, generator.captured_features(), drafted)
                     if rollback is not None:  # recurrent state: back to before the block, re-feed the kept tokens
-                        rollback.settle(target_forward, candidates, block_positions, state.context_mask, num_new, keep)
+                        rollback.settle(target_forward, candidates, target_positions, state.context_mask, num_new, keep)
         finally:
             generator.close()
     if streamer is not None:
@@ -144,17 +171,20 @@ def propose(generator: DFlashCandidateGenerator, state: "DecodingState", num_dra
     return (policy.trim(drafts, confidence, paid_draft=drafted) if drafts.shape[1] else drafts), drafted
 
 
-def prefill(state, input_ids, target, target_forward, generator, logits_processor, stopping_criteria, do_sample):
+def prefill(
+    state, input_ids, target, target_forward, generator, logits_processor, stopping_criteria, do_sample, media=None
+):
     """The whole prompt through the target (the hooks keep the drafter's context features) and its first token.
 
-    Returns the rows that continue. On CPUs a ragged batch is prefilled in groups of similar length
-    (`prefill_groups`)."""
-    mask, position_ids = state.context_mask, state.context_positions
-    groups = prefill_groups(mask, target) if mask is not None else None
+    `media`: the prompt's image / video inputs (`prompt_inputs`), for this forward only. Returns the rows that
+    continue. On CPUs a ragged text batch is prefilled in groups of similar length (`prefill_groups`)."""
+    mask = state.context_mask
+    plain_positions = state.target_offsets is None  # grouped rows get their positions from their own mask
+    groups = prefill_groups(mask, target) if mask is not None and plain_positions and not media else None
     if groups is not None:
         raw, features = grouped_prefill(target_forward, generator, input_ids, mask, groups, state.cache)
     else:
-        raw = target_forward(input_ids, position_ids, mask, 1)[:, -1:]
+        raw = target_forward(input_ids, state.prompt_target_positions, mask, 1, **(media or {}))[:, -1:]
         features = generator.captured_features()
     raw = raw.float()
     processed = logits_processor(input_ids, raw[:, 0].clone())[:, None] if logits_processor else raw
@@ -177,6 +207,11 @@ class DecodingState:
     seen by the target) and its position `next_position`; the drafter's pending `context` (target features of the
     positions verified since its last draft) with `context_positions`; and `context_mask`, the validity of every
     target cache slot (shared with the drafter's context cache; None while every slot is valid).
+
+    Positions are token indices (left padding excluded), as the drafter uses them. A target whose generate()
+    prepared other position ids for the prompt (multimodal RoPE) gets those for the prompt
+    (`prompt_target_positions`) and, for later tokens, the state's positions plus `target_offsets` (`[rows]` or
+    `[axes, rows]`; None when the target's positions are the state's).
     """
 
     def __init__(self, input_ids, attention_mask, generation_config, cache, streamer, rollback=None):
@@ -206,6 +241,29 @@ class DecodingState:
             self.context_positions = torch.arange(prompt_len, device=device).expand(batch, -1)
             self.context_mask = None
             self.next_position = torch.full((batch,), prompt_len, device=device)
+        self.prompt_target_positions, self.target_offsets = self.context_positions, None
+
+    def follow_target_positions(self, prepared: torch.Tensor | None) -> None:
+        """Use the prompt position ids generate() prepared (`[batch, prompt_len]` or `[axes, batch, prompt_len]`)
+        and continue them as plain decoding does: every axis advances by one per committed token, i.e. keeps its
+        offset from the state's position at the prompt's last token (never padding: left padding only)."""
+        if prepared is None:
+            return
+        batch, prompt_len = self.context_positions.shape
+        if prepared.dim() not in (2, 3) or prepared.shape[-1] != prompt_len or prepared.shape[-2] not in (1, batch):
+            raise ValueError(
+                f"position_ids has shape {tuple(prepared.shape)}, which does not fit input_ids of shape "
+                f"{(batch, prompt_len)}; pass position ids of the prompt's length, or none (generate() builds them)."
+            )
+        prepared = prepared.to(self.context_positions.device).expand(*prepared.shape[:-2], batch, prompt_len)
+        if prepared.dim() == 2 and torch.equal(prepared, self.context_positions):
+            return  # the target's positions are the state's (text targets): nothing to map
+        self.prompt_target_positions = prepared
+        self.target_offsets = prepared[..., -1] - self.context_positions[:, -1]
+
+    def target_positions(self, positions: torch.LongTensor) -> torch.LongTensor:
+        """The target's position ids of the state's positions `[rows, n]` (of tokens after the prompt)."""
+        return positions if self.target_offsets is None else positions + self.target_offsets[..., None]
 
     def budgets(self) -> list[int]:
         """Tokens each active row may still commit."""
@@ -225,6 +283,8 @@ class DecodingState:
         drafter_cache.batch_select_indices(index)
         self.anchor, self.next_position = self.anchor[index], self.next_position[index]
         self.context, self.context_positions = self.context[index], self.context_positions[index]
+        if self.target_offsets is not None:
+            self.target_offsets = self.target_offsets[..., index]
         if self.context_mask is not None:
             self.context_mask = self.context_mask[index]
 

@@ -4,7 +4,7 @@
 which decoding code serves drafters of `drafter_class`:
 
 - `generate`: checks that the drafter fits the target and refuses what DFlash cannot do (beam search, several
-  return sequences), with messages that say how to fix the call;
+  return sequences, image inputs for a text-only target), with messages that say how to fix the call;
 - `_assisted_decoding`: runs `dflash_decoding` instead of transformers' batch-1 assisted loop.
 
 A DFlash drafter checkpoint loaded by other code (its config carries a `dflash_config` but its class is not
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .decoding import check_padding, dflash_decoding
-from .target_model import check_drafter_fits_target
+from .target_model import check_drafter_fits_target, check_media_inputs, is_media_input
 
 
 def prepare_generate_kwargs(drafter: nn.Module, target: nn.Module, args: tuple, kwargs: dict) -> dict:
@@ -35,13 +35,7 @@ def prepare_generate_kwargs(drafter: nn.Module, target: nn.Module, args: tuple, 
             "DFlash decoding needs token ids (the drafter embeds its blocks with the target's embedding table); pass "
             "input_ids instead of inputs_embeds."
         )
-    media = sorted(k for k, v in kwargs.items() if v is not None and _is_media_input(k))
-    if media:
-        raise ValueError(
-            f"DFlash decoding takes text prompts only; this call also passes {media}, which it would not feed to the "
-            "target (the output would silently differ). Generate without assistant_model for image, video or audio "
-            "prompts."
-        )
+    check_media_inputs(target, sorted(k for k, v in kwargs.items() if v is not None and is_media_input(k)))
     inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
     if isinstance(inputs, torch.Tensor) and inputs.dim() == 2:
         check_padding(kwargs.get("attention_mask"), inputs)
@@ -69,13 +63,6 @@ def prepare_generate_kwargs(drafter: nn.Module, target: nn.Module, args: tuple, 
         # transformers' own DFlash path expects its built-in drafter class; ours runs through `_assisted_decoding`.
         kwargs.pop("speculation_type")
     return kwargs
-
-
-def _is_media_input(name: str) -> bool:
-    """Multimodal inputs of transformers' vision / audio models (pixel_values, image_grid_thw, input_features, ...)."""
-    return name.startswith(("pixel_values", "image_", "video_", "audio_", "input_features")) or name.endswith(
-        "_grid_thw"
-    )
 
 
 def _implementation(assistant_model):

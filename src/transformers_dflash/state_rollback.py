@@ -209,14 +209,15 @@ class StateRollback:
     def settle(self, target_forward, candidates, block_positions, mask, num_new: list[int], keep: list[int]) -> None:
         """After the commit of a verified block `candidates` (its attention slots already cropped to the ones the
         rows keep): when the rows keep fewer than the whole block, restore the state from before the block, crop the
-        attention layers back to it, and run the target over the kept tokens only. `mask` covers the cache slots up
-        to and including the kept ones; the continuing rows `keep` keep the same number of tokens (aligned rows)."""
+        attention layers back to it, and run the target over the kept tokens only. `block_positions` are the target's
+        (`[rows, n]`, or `[axes, rows, n]` for multimodal RoPE); `mask` covers the cache slots up to and including the
+        kept ones; the continuing rows `keep` keep the same number of tokens (aligned rows)."""
         kept = max(num_new[i] for i in keep)
         if kept == candidates.shape[1]:
             return  # every verified token stays: the state after verification is the right one
         self.restore()
         self.crop(-kept)
-        target_forward(candidates[:, :kept], block_positions[:, :kept], mask, 1)
+        target_forward(candidates[:, :kept], block_positions[..., :kept], mask, 1)
 
 
 @contextlib.contextmanager

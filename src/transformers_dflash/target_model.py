@@ -1,7 +1,8 @@
 """What DFlash decoding needs to know about a target model (part of the carried core: torch and transformers only).
 
 Where its decoder layers are, which forward keyword takes the cache (renamed in transformers 5.24), whether it has
-sliding-window layers, a fresh cache that can be cropped after rejected drafts, and the checks that a drafter fits it.
+sliding-window layers, a fresh cache that can be cropped after rejected drafts, the checks that a drafter fits it, and
+which image / video inputs of a prompt it takes (`check_media_inputs`, `prompt_inputs`).
 """
 
 import inspect
@@ -106,6 +107,99 @@ def new_target_cache(target: nn.Module, model_kwargs: dict, generation_config):
     if has_recurrent_state(target):
         return new_hybrid_cache(target)  # attention layers croppable, recurrent state restored (state_rollback.py)
     return DynamicCache()
+
+
+# The inputs every DFlash forward sets itself; `prompt_inputs` passes the prefill whatever else generate() prepared.
+OWN_FORWARD_INPUTS = {
+    "input_ids",
+    "inputs_embeds",
+    "attention_mask",
+    "position_ids",
+    "cache",
+    "past_key_values",
+    "cache_position",
+    "use_cache",
+    "logits_to_keep",
+    "return_dict",
+    "output_attentions",
+    "output_hidden_states",
+}
+
+
+def is_media_input(name: str) -> bool:
+    """Multimodal inputs of transformers' vision / audio models (pixel_values, image_grid_thw, input_features, ...)."""
+    return name.startswith(
+        ("pixel_values", "image_", "video_", "audio_", "input_features", "mm_encoder_outputs")
+    ) or name.endswith("_grid_thw")
+
+
+def generate_prepares_position_ids() -> bool:
+    """transformers >= 5: generate() computes the prompt's position ids (Qwen-VL models: their multimodal RoPE ids)
+    before decoding and hands them to the decoding loop in `model_kwargs["position_ids"]`; 4.x made them per step."""
+    from transformers.generation.utils import GenerationMixin
+
+    return hasattr(GenerationMixin, "_prepare_position_ids_for_generation")
+
+
+def check_media_inputs(target: nn.Module, names: list[str]) -> None:
+    """Raise a ValueError that says what to change when DFlash cannot decode a prompt with the media inputs `names`.
+
+    DFlash feeds them to the target's prefill only and continues the position ids generate() prepared for the prompt;
+    that is plain generate() itself for a target that takes them in its forward and whose later decoding steps need
+    nothing else (it keeps GenerationMixin's own per-step input preparation)."""
+    if not names:
+        return
+    name = type(target).__name__
+    accepted = set(inspect.signature(target.forward).parameters)
+    missing = [n for n in names if n not in accepted]
+    if missing:
+        raise ValueError(
+            f"{name}.forward takes no {missing}: it is a text-only model, so the image / video / audio part of this "
+            "prompt would be lost. Load the vision-language model as the target (for Qwen3.5: "
+            "Qwen3_5ForConditionalGeneration, or AutoModelForImageTextToText), or drop "
+            f"{missing} for a text prompt."
+        )
+    if not generate_prepares_position_ids():
+        raise ValueError(
+            f"Image / video inputs ({names}) with a DFlash drafter need transformers >= 5, whose generate() prepares "
+            "the prompt's (multimodal) position ids that DFlash decoding continues. Upgrade transformers, or "
+            "generate without assistant_model."
+        )
+    from transformers.generation.utils import GenerationMixin
+
+    overridden = [
+        m
+        for m in ("prepare_inputs_for_generation", "_update_model_kwargs_for_generation")
+        if getattr(type(target), m) is not getattr(GenerationMixin, m)
+    ]
+    if overridden:
+        raise ValueError(
+            f"{name} overrides {overridden}: its decoding steps after an image / video prompt take inputs of their "
+            f"own, which DFlash does not reproduce. Generate without assistant_model for {names}."
+        )
+
+
+def _given(value) -> bool:
+    return value is not None and not (isinstance(value, dict) and not value)  # generate() leaves {} for no media
+
+
+def prompt_inputs(target: nn.Module, model_kwargs: dict) -> dict:
+    """For a prompt with images / video: the other inputs generate() prepared for it (`model_kwargs`: the pixels or
+    their pre-encoded `mm_encoder_outputs`, grids, token types, ...) that the target's forward takes, for the prefill
+    forward only, as plain generate() gives its first forward. {} for a text prompt.
+
+    Later forwards verify text tokens with ids, position ids, mask and cache only. transformers drops the media
+    inputs after the prefill too; what else it keeps passing (token types, video timings) only places the prompt's
+    media, in the Qwen-VL models through their position ids when none are given, which DFlash always gives. Targets
+    that prepare their decoding steps' inputs themselves are refused (`check_media_inputs`)."""
+    if not any(is_media_input(key) and _given(value) for key, value in model_kwargs.items()):
+        return {}
+    accepted = set(inspect.signature(target.forward).parameters)
+    return {
+        key: value
+        for key, value in model_kwargs.items()
+        if key in accepted and key not in OWN_FORWARD_INPUTS and _given(value)
+    }
 
 
 def has_sliding_window(target: nn.Module) -> bool:
