@@ -11,7 +11,10 @@ step of a prefilled prompt it times:
 - `snapshot`: copying the recurrent and conv state before it (hybrid only);
 - `rollback`: restoring that copy and re-feeding k kept tokens (hybrid only; k = 1: every draft rejected; k = block/2);
 - `decode`: one plain one-token decoding step (what plain generate() pays per token);
-- `dflash step`: whole `generate(assistant_model=untrained drafter)` steps (every draft rejected), wall time / steps.
+- `dflash step`: whole `generate(assistant_model=untrained drafter)` steps (every draft rejected), wall time / steps;
+- `plain 64` / `defaults 64`: a whole `generate()` of 64 new tokens, plain and with the untrained drafter at its
+  defaults (`draft_length` "auto" on CPUs, which must learn that drafting does not pay: on the hybrid a rejected
+  block also costs the re-feed). Their ratio is the last line.
 """
 
 import argparse
@@ -95,6 +98,12 @@ def operations(target, block, prompt_len):
     drafter = DFlashDraftModel.from_target(target, num_layers=1, block_size=block).eval()
     drafter.draft_length, drafter.ngram_lookup = "full", 0
 
+    defaults = DFlashDraftModel.from_target(target, num_layers=1, block_size=block).eval()  # draft_length etc. unset
+    result["plain 64"] = lambda: target.generate(prompt, max_new_tokens=64, min_new_tokens=64, do_sample=False)
+    result["defaults 64"] = lambda: target.generate(
+        prompt, max_new_tokens=64, min_new_tokens=64, do_sample=False, assistant_model=defaults
+    )
+
     def dflash_step(new_tokens=16):
         start = time.perf_counter()
         target.generate(prompt, max_new_tokens=new_tokens, do_sample=False, assistant_model=drafter)
@@ -118,6 +127,7 @@ def main():
         for name, model_type in (("attention", "qwen3"), ("hybrid", "qwen3_5_text"))
     }
     keys = ["decode", "verify", "snapshot", "rollback k=1", f"rollback k={args.block // 2}", "dflash step"]
+    keys += ["plain 64", "defaults 64"]
     samples = {name: {key: [] for key in keys} for name in setups}
     for ops, step in setups.values():  # warm-up (kernel selection, allocator)
         for fn in ops.values():
@@ -129,7 +139,7 @@ def main():
                 if key == "dflash step":
                     samples[name][key].append(step())
                 elif key in ops:
-                    samples[name][key].append(timed(ops[key], args.inner))
+                    samples[name][key].append(timed(ops[key], 1 if key.endswith(" 64") else args.inner))
 
     def show(values):
         return f"{statistics.median(values):7.2f} [{min(values):.2f}-{max(values):.2f}]" if values else "-"
@@ -149,6 +159,9 @@ def main():
     h = samples["hybrid"]
     shares = [(s + r) / v for s, r, v in zip(h["snapshot"], h["rollback k=1"], h["verify"])]
     print(f"hybrid: (snapshot + rollback k=1) / verify, per repeat: {show(shares)}")
+    for name, target_samples in samples.items():
+        speed = [p / d for p, d in zip(target_samples["plain 64"], target_samples["defaults 64"])]
+        print(f"{name}: speed at the drafter's defaults / plain generate(), per repeat: {show(speed)}")
 
 
 if __name__ == "__main__":
