@@ -120,7 +120,7 @@ def dflash_decoding(
                 candidates = torch.cat([state.anchor[:, None], drafts], dim=1)  # 2. verify
                 block_positions = state.open_block(candidates.shape[1])
                 target_positions = state.target_positions(block_positions)
-                if rollback is not None:
+                if rollback is not None and candidates.shape[1] > 1:  # one token is always kept: nothing to undo
                     rollback.snapshot()
                 raw = target_forward(candidates, target_positions, state.context_mask, candidates.shape[1]).float()
                 processed = process_logits(
@@ -139,8 +139,6 @@ def dflash_decoding(
                     num_new,
                     state.eos_token_id,
                 )  # the step's one host sync
-                draft_seconds = verify_start - step_start if drafted else None
-                generator.record_step(accepted, candidates.shape[1], time.perf_counter() - verify_start, draft_seconds)
                 if align_rows:
                     num_new = align_continuing_rows(num_new, stopped, budgets)
                 keep = state.commit(choices, num_new, stopped, raw, processed)  # 4. commit
@@ -148,6 +146,10 @@ def dflash_decoding(
                     state.close_block(choices, num_new, keep, block_positions, generator.captured_features(), drafted)
                     if rollback is not None:  # recurrent state: back to before the block, re-feed the kept tokens
                         rollback.settle(target_forward, candidates, target_positions, state.context_mask, num_new, keep)
+                # The step's cost runs to here: on hybrid targets a partial accept also pays the re-feed, which makes
+                # wide blocks dearer there, and the draft-length policy must see that.
+                draft_seconds = verify_start - step_start if drafted else None
+                generator.record_step(accepted, candidates.shape[1], time.perf_counter() - verify_start, draft_seconds)
         finally:
             generator.close()
     if streamer is not None:

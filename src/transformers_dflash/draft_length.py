@@ -68,7 +68,7 @@ class AutoDraftLength(FullBlock):
     uses_confidence = True
 
     def __init__(self):
-        self.samples: list[tuple[int, float]] = []  # (verified width, seconds of the verification and commit)
+        self.samples: list[tuple[int, float]] = []  # (verified width, seconds of verify + commit + any re-feed)
         self.draft_seconds: list[float] = []  # seconds of each draft
         self.draft_rate: float | None = None  # expected tokens/s per row of the last drafted step, as chosen
         self.skipped, self.backoff = 0, 1

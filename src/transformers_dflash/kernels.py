@@ -16,21 +16,26 @@ from torch.nn import functional as F
 
 # Row counts for which `skinny_linear` takes the transposed product (measured faster, see `skinny_linear`).
 _SKINNY_ROWS = (1, 256)
+# One row takes the transposed product only for weights with this many times more outputs than inputs (LM heads).
+_TALL_WEIGHT = 8
 
 
 def skinny_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(input, weight, bias)`, computed as `(weight @ input^T)^T` for a few float32 rows on a CPU.
 
     On CPUs, PyTorch runs `input @ weight^T` for 2..256 rows through an MKL GEMM that is much slower than streaming
-    the weights once, which the transposed product does (`dflash bench --linear-kernels` measures both). One row goes
-    through the same product as two copies of itself, because MKL's matrix-vector product is slower still. The output
-    is made contiguous again: leaving it transposed in memory saved the copy but slowed the ops after it more. Same
-    arithmetic, other summation order: results agree to float32 rounding, like any change of batch shape. Other
-    devices, dtypes and row counts take `F.linear` unchanged.
+    the weights once, which the transposed product does (`dflash bench --linear-kernels` measures both). One row
+    takes the same product as two copies of itself only for a tall weight (an LM head: at least
+    `_TALL_WEIGHT` times more outputs than inputs), where MKL's matrix-vector product is slower; for other shapes
+    the copy, concatenation and transposes cost more than they save, so one row takes `F.linear`
+    (docs/benchmarks.md, "Linear kernels by shape"). The output is made contiguous again: leaving it transposed in
+    memory saved the copy but slowed the ops after it more. Same arithmetic, other summation order: results agree to
+    float32 rounding, like any change of batch shape. Other devices, dtypes and row counts take `F.linear` unchanged.
     """
     rows = input.numel() // input.shape[-1] if input.dim() > 0 and input.shape[-1] else 0
     if (
         not _SKINNY_ROWS[0] <= rows <= _SKINNY_ROWS[1]
+        or (rows == 1 and weight.shape[0] < _TALL_WEIGHT * weight.shape[1])
         or input.device.type != "cpu"
         or input.dtype != torch.float32
         or weight.dtype != torch.float32

@@ -79,5 +79,5 @@ def format_linear_markdown(rows: Sequence[Mapping[str, Any]], header: str = "") 
         body,
         "rows: tokens x batch rows of a forward (a verification step of width w at batch b has w*b rows). skinny_linear "
         "takes F.linear above 256 rows and for other dtypes/devices, so those rows time the same kernel twice; one row "
-        "goes through its two-column product (two copies of the row).",
+        "goes through its two-column product (two copies of the row) for tall weights (LM heads) and F.linear otherwise.",
     )
