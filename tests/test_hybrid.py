@@ -144,22 +144,21 @@ def test_hybrid_targets_keep_the_padded_prefill():
 SAMPLES, BATCH = 2000, 250
 
 
-@pytest.mark.parametrize("name, proposals", [(MAIN[0], "mode"), (MAIN[-1], "untrained")])
-def test_sampling_matches_the_target_distribution(name, proposals, monkeypatch):
-    target = make_family_target(name, dtype=torch.float32, vocab_size=6, seed=3, scale=2.0)
-    prompt = torch.tensor([[1, 4, 3]])
-    probs = _exact_distribution(target, prompt)
-    drafter = _drafter(target)
-    if proposals == "mode":
+def _check_sampling(target, drafter, prompt, probs, monkeypatch, mode_proposals=True, media=lambda rows, length: {}):
+    """Sample SAMPLES continuations of `prompt` with DFlash and chi-square them against the exact `probs`.
+    `mode_proposals`: the drafter proposes the target's most likely continuation of [prompt, anchor], so drafts are
+    accepted often and rejected often. `media(rows, length)`: the extra inputs of `rows` copies of the prompt whose
+    token ids reach `length` (multimodal prompts)."""
+    if mode_proposals:
         original = DFlashCandidateGenerator.draft
 
         def draft(self, anchor_ids, anchor_position_ids, *args, **kwargs):
             drafts, confidence = original(self, anchor_ids, anchor_position_ids, *args, **kwargs)
-            # the target's most likely continuation of [prompt, anchor]: accepted often, rejected often
-            ids = torch.cat([prompt.repeat(anchor_ids.shape[0], 1), anchor_ids[:, None]], dim=1)
+            prefix = torch.cat([prompt.repeat(anchor_ids.shape[0], 1), anchor_ids[:, None]], dim=1)
             for k in range(drafts.shape[1]):
-                drafts[:, k] = target(ids).logits[:, -1].argmax(-1)
-                ids = torch.cat([ids, drafts[:, k : k + 1]], dim=1)
+                logits = target(input_ids=prefix, **media(prefix.shape[0], prefix.shape[1])).logits
+                drafts[:, k] = logits[:, -1].argmax(-1)
+                prefix = torch.cat([prefix, drafts[:, k : k + 1]], dim=1)
             return drafts, confidence
 
         monkeypatch.setattr(DFlashCandidateGenerator, "draft", draft)
@@ -174,6 +173,7 @@ def test_sampling_matches_the_target_distribution(name, proposals, monkeypatch):
             max_new_tokens=NEW,
             pad_token_id=0,
             assistant_model=drafter,
+            **media(BATCH, prompt.shape[1]),
         )
         for row in out[:, prompt.shape[1] :].tolist():
             counts[tuple(row)] = counts.get(tuple(row), 0) + 1
@@ -181,11 +181,16 @@ def test_sampling_matches_the_target_distribution(name, proposals, monkeypatch):
     stat, df, outside = _chi_square(counts, probs, SAMPLES)
     assert outside == 0, "DFlash sampled a sequence the target gives probability 0"
     assert stat < _critical_value(df), f"chi2={stat:.1f} over {df} df: DFlash sampling is not the target's"
-    if proposals == "mode":
+    if mode_proposals:
         assert max(accepted) > 1 and min(accepted) == 1  # drafts were accepted, and rejected
 
 
-# --- what cannot be rolled back -------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, proposals", [(MAIN[0], "mode"), (MAIN[-1], "untrained")])
+def test_sampling_matches_the_target_distribution(name, proposals, monkeypatch):
+    target = make_family_target(name, dtype=torch.float32, vocab_size=6, seed=3, scale=2.0)
+    prompt = torch.tensor([[1, 4, 3]])
+    probs = _exact_distribution(target, prompt)
+    _check_sampling(target, _drafter(target), prompt, probs, monkeypatch, mode_proposals=proposals == "mode")
 
 
 @pytest.mark.skipif(MAJOR < 5, reason="Bamba's cache is the unified one of transformers >= 5")
@@ -415,7 +420,6 @@ def test_qwen3_5_sampling_with_an_image_matches_the_target_distribution(monkeypa
     ids, _, inputs = _vision_prompts([([4], (1, 2, 2), [3])], dtype=torch.float32)
     probs = _exact_distribution_with_media(target, ids, inputs)
     drafter = _drafter(target)
-    original = DFlashCandidateGenerator.draft
 
     def repeated(rows, length):  # the media inputs of `rows` copies of the prompt, token types up to `length`
         types = torch.nn.functional.pad(inputs["mm_token_type_ids"], (0, length - ids.shape[1]))
@@ -425,37 +429,7 @@ def test_qwen3_5_sampling_with_an_image_matches_the_target_distribution(monkeypa
             mm_token_type_ids=types.repeat(rows, 1),
         )
 
-    def draft(self, anchor_ids, anchor_position_ids, *args, **kwargs):
-        drafts, confidence = original(self, anchor_ids, anchor_position_ids, *args, **kwargs)
-        # the target's most likely continuation of [prompt, anchor]: accepted often, rejected often
-        prefix = torch.cat([ids.repeat(anchor_ids.shape[0], 1), anchor_ids[:, None]], dim=1)
-        for k in range(drafts.shape[1]):
-            media = repeated(prefix.shape[0], prefix.shape[1])
-            drafts[:, k] = target(input_ids=prefix, **media).logits[:, -1].argmax(-1)
-            prefix = torch.cat([prefix, drafts[:, k : k + 1]], dim=1)
-        return drafts, confidence
-
-    monkeypatch.setattr(DFlashCandidateGenerator, "draft", draft)
-    torch.manual_seed(0)
-    counts, accepted = {}, []
-    for _ in range(SAMPLES // BATCH):
-        out = target.generate(
-            ids.repeat(BATCH, 1),
-            do_sample=True,
-            temperature=TEMPERATURE,
-            top_k=TOP_K,
-            max_new_tokens=NEW,
-            pad_token_id=0,
-            assistant_model=drafter,
-            **repeated(BATCH, ids.shape[1]),
-        )
-        for row in out[:, ids.shape[1] :].tolist():
-            counts[tuple(row)] = counts.get(tuple(row), 0) + 1
-        accepted += [n for row in drafter.last_acceptance_lengths for n in row[1:]]
-    stat, df, outside = _chi_square(counts, probs, SAMPLES)
-    assert outside == 0, "DFlash sampled a sequence the target gives probability 0"
-    assert stat < _critical_value(df), f"chi2={stat:.1f} over {df} df: DFlash sampling is not the target's"
-    assert max(accepted) > 1 and min(accepted) == 1  # drafts were accepted, and rejected
+    _check_sampling(target, drafter, ids, probs, monkeypatch, media=repeated)
 
 
 def _llava():
