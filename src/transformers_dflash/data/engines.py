@@ -115,6 +115,25 @@ def length_buckets(
     return batches
 
 
+def generate_in_buckets(
+    prompts: list[list[int]],
+    generate_batch: Callable[[list[list[int]]], list[list[int]]],
+    batch_size: int,
+    max_new_tokens: int,
+    pad_fraction: float,
+    on_batch: OnBatch | None = None,
+) -> list[list[int]]:
+    """`generate_batch` over the `length_buckets` of `prompts`; the responses in the prompts' order."""
+    results: list[list[int] | None] = [None] * len(prompts)
+    for batch in length_buckets([len(p) for p in prompts], batch_size, max_new_tokens, pad_fraction):
+        outputs = generate_batch([prompts[i] for i in batch])
+        for i, out in zip(batch, outputs):
+            results[i] = out
+        if on_batch is not None:
+            on_batch(len(batch), sum(len(o) for o in outputs))
+    return results  # type: ignore[return-value]
+
+
 _VOLATILE_CONFIG_KEYS = {
     "_name_or_path",
     "name_or_path",
@@ -248,18 +267,18 @@ class TransformersEngine:
             torch.manual_seed(seed)
         was_training = getattr(self.model, "training", False)
         self.model.eval()
-        results: list[list[int] | None] = [None] * len(prompts)
         try:
-            for batch in length_buckets([len(p) for p in prompts], self.batch_size, max_new_tokens, self.pad_fraction):
-                outputs = self._generate_batch([prompts[i] for i in batch], config)
-                for i, out in zip(batch, outputs):
-                    results[i] = out
-                if on_batch is not None:
-                    on_batch(len(batch), sum(len(o) for o in outputs))
+            return generate_in_buckets(
+                prompts,
+                lambda batch: self._generate_batch(batch, config),
+                self.batch_size,
+                max_new_tokens,
+                self.pad_fraction,
+                on_batch,
+            )
         finally:
             if was_training:
                 self.model.train()
-        return results  # type: ignore[return-value]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -457,15 +476,14 @@ class CTranslate2Engine:
         seed: int | None = None,
         on_batch: OnBatch | None = None,
     ) -> list[list[int]]:
-        prompts = [list(p) for p in prompt_token_ids]
-        results: list[list[int] | None] = [None] * len(prompts)
-        for batch in length_buckets([len(p) for p in prompts], self.batch_size, max_new_tokens, self.pad_fraction):
-            outputs = self._generate_batch([prompts[i] for i in batch], max_new_tokens)
-            for i, out in zip(batch, outputs):
-                results[i] = out
-            if on_batch is not None:
-                on_batch(len(batch), sum(len(o) for o in outputs))
-        return results  # type: ignore[return-value]
+        return generate_in_buckets(
+            [list(p) for p in prompt_token_ids],
+            lambda batch: self._generate_batch(batch, max_new_tokens),
+            self.batch_size,
+            max_new_tokens,
+            self.pad_fraction,
+            on_batch,
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------------
