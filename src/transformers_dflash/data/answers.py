@@ -17,7 +17,7 @@ from typing import Any
 
 from .engines import EngineError, OnBatch, response_ids
 from .prompts import load_sharegpt_answers
-from .regeneration import _chat_messages
+from .regeneration import _chat_messages, _chat_text
 
 
 class AnswersEngine:
@@ -47,11 +47,13 @@ class AnswersEngine:
         """`answers` maps a prompt text to its answer text; both are formatted with the chat template exactly as
         `regenerate` formats prompts, and the answer's tokens are what the template puts after the prompt."""
         by_ids: dict[tuple[int, ...], list[int]] = {}
-        kwargs = dict(tokenize=False, chat_template=chat_template, **(chat_template_kwargs or {}))
         for prompt, answer in answers.items():
             messages = _chat_messages(prompt, system_prompt)
-            prompt_text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
-            full_text = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": answer}], **kwargs)
+            prompt_text = _chat_text(tokenizer, messages, chat_template, chat_template_kwargs)
+            answered = messages + [{"role": "assistant", "content": answer}]
+            full_text = _chat_text(
+                tokenizer, answered, chat_template, chat_template_kwargs, add_generation_prompt=False
+            )
             if not full_text.startswith(prompt_text):
                 raise EngineError(
                     "The chat template does not render an answered conversation as the prompt followed by the answer, "

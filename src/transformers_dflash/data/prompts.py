@@ -52,8 +52,14 @@ def _iter_json_array(text: str) -> Iterator[Any]:
         yield obj
 
 
-def _sharegpt_first_turns(min_chars: int, max_chars: int) -> Iterator[tuple[str, str | None]]:
-    """(first user turn, first reply or None) of each ShareGPT conversation start, in file order."""
+@lru_cache(maxsize=4)
+def _sharegpt_first_turns(min_chars: int, max_chars: int) -> tuple[tuple[str, str | None], ...]:
+    """(first user turn, first reply or None) of each ShareGPT conversation start, in file order (the file is read
+    and parsed once for both the prompts and their answers)."""
+    return tuple(_iter_sharegpt_first_turns(min_chars, max_chars))
+
+
+def _iter_sharegpt_first_turns(min_chars: int, max_chars: int) -> Iterator[tuple[str, str | None]]:
     path = _package_file(SHAREGPT_PACKAGE, SHAREGPT_FILE, SHAREGPT_INSTALL, "ShareGPT prompts")
     text = path.read_text(encoding="utf-8")
     for conv in _iter_json_array(text):

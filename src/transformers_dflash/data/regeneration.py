@@ -65,17 +65,26 @@ def _chat_messages(prompt: str, system_prompt: str | None) -> list[dict]:
     ]
 
 
-def _chat_token_ids(
-    tokenizer: Any, prompt: str, system_prompt: str | None, chat_template: str | None, chat_template_kwargs: dict | None
-) -> list[int]:
-    messages = _chat_messages(prompt, system_prompt)
-    text = tokenizer.apply_chat_template(
+def _chat_text(
+    tokenizer: Any,
+    messages: list[dict],
+    chat_template: str | None,
+    chat_template_kwargs: dict | None,
+    add_generation_prompt: bool = True,
+) -> str:
+    return tokenizer.apply_chat_template(
         messages,
-        add_generation_prompt=True,
+        add_generation_prompt=add_generation_prompt,
         tokenize=False,
         chat_template=chat_template,
         **(chat_template_kwargs or {}),
     )
+
+
+def _chat_token_ids(
+    tokenizer: Any, prompt: str, system_prompt: str | None, chat_template: str | None, chat_template_kwargs: dict | None
+) -> list[int]:
+    text = _chat_text(tokenizer, _chat_messages(prompt, system_prompt), chat_template, chat_template_kwargs)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
