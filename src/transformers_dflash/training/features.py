@@ -108,24 +108,22 @@ def cache_context_features(
 def check_cached_features(data_dir: str | Path, target_layer_ids: list[int], labels: str = "auto") -> None:
     """Refuse offline features of other target layers than the drafter's (they would train it on the wrong input),
     and `labels="target"` on features cached without the target's choices."""
-    from .loss import LABEL_RULES
-
-    if labels not in LABEL_RULES:
-        raise ValueError(f"labels={labels!r}: use one of {LABEL_RULES}.")
     info_path = Path(data_dir) / FEATURES_INFO
-    if info_path.exists() and labels == "target" and not json.loads(info_path.read_text()).get("target_choices"):
+    if not info_path.exists():
+        return
+    info = json.loads(info_path.read_text())
+    if labels == "target" and not info.get("target_choices"):
         raise ValueError(
             f"{data_dir} holds features cached without the target's choices (an older `dflash features`), which "
             "--labels target needs. Recompute them with `dflash features --out NEW_DIR`, or train with --labels text."
         )
-    if info_path.exists():
-        cached = json.loads(info_path.read_text()).get("target_layer_ids")
-        if cached != [int(i) for i in target_layer_ids]:
-            raise ValueError(
-                f"{data_dir} holds target features of layers {cached}, but the drafter reads layers "
-                f"{list(target_layer_ids)}. Train with --target-layer-ids {' '.join(map(str, cached))}, or cache "
-                "features for these layers with `dflash features`."
-            )
+    cached = info.get("target_layer_ids")
+    if cached != [int(i) for i in target_layer_ids]:
+        raise ValueError(
+            f"{data_dir} holds target features of layers {cached}, but the drafter reads layers "
+            f"{list(target_layer_ids)}. Train with --target-layer-ids {' '.join(map(str, cached))}, or cache "
+            "features for these layers with `dflash features`."
+        )
 
 
 @torch.no_grad()

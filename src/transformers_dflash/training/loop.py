@@ -16,7 +16,7 @@ from ..data import list_shards, load_shard
 from ..modeling_dflash import DFlashDraftModel
 from .batches import draft_vocabulary, training_batches, validation_prompts
 from .features import check_cached_features
-from .loss import dflash_loss
+from .loss import check_label_rule, dflash_loss
 from .validation import evaluate_acceptance_length
 
 CHECKPOINT_PREFIX = "checkpoint-"
@@ -172,6 +172,7 @@ def train(config: TrainingConfig, target: nn.Module | None = None) -> dict:
             drafter.set_draft_vocabulary(
                 draft_vocabulary(config.data, c.draft_vocab_size, c.vocab_size, exclude=[c.mask_token_id])
             )
+    check_label_rule(config.labels)
     check_cached_features(config.data, drafter.config.target_layer_ids, config.labels)
     drafter.float().train()
     if drafter.config._attn_implementation in (None, "flash_attention_2"):

@@ -11,6 +11,11 @@ from .features import target_features_and_choices
 LABEL_RULES = ("auto", "target", "text")
 
 
+def check_label_rule(labels: str) -> None:
+    if labels not in LABEL_RULES:
+        raise ValueError(f"labels={labels!r}: use one of {LABEL_RULES}.")
+
+
 def dflash_loss(
     drafter: nn.Module,
     target: nn.Module,
@@ -55,8 +60,7 @@ def dflash_loss(
     device = input_ids.device
     dtype = unwrapped.fc.weight.dtype
 
-    if labels not in LABEL_RULES:
-        raise ValueError(f"labels={labels!r}: use one of {LABEL_RULES}.")
+    check_label_rule(labels)
     if context_features is None:
         context_features, computed_ids = target_features_and_choices(
             target, input_ids, config.target_layer_ids, attention_mask, choices=labels != "text" and target_ids is None
