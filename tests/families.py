@@ -12,6 +12,16 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 MAJOR = int(transformers.__version__.split(".")[0])
 
+# The shape every tiny target here shares (4 layers, hidden 32, 4 query / 2 KV heads of 8).
+TINY_DECODER = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=512,
+)
 _LINEAR = dict(
     linear_conv_kernel_dim=4,
     linear_key_head_dim=8,
@@ -107,13 +117,7 @@ def make_family_target(name, dtype=torch.float64, seed=0, eos_token_id=None, voc
     scale = family_scale if scale is None else scale
     settings = dict(
         vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=512,
+        **TINY_DECODER,
         bos_token_id=BOS,
         eos_token_id=eos_token_id,
         pad_token_id=PAD,

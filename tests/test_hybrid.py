@@ -17,7 +17,7 @@ import contextlib
 import pytest
 import torch
 from conftest import PAD, VOCAB, make_drafter, make_target
-from families import FAMILIES, HYBRID, MAJOR, available, left_pad, make_family_target
+from families import FAMILIES, HYBRID, MAJOR, TINY_DECODER, available, left_pad, make_family_target
 from test_generation_sampling import NEW, TEMPERATURE, TOP_K, _chi_square, _critical_value, _exact_distribution
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
@@ -277,13 +277,7 @@ def _qwen3_5_vl(dtype=torch.float64, scale=5.0):
     text = dict(
         FAMILIES["qwen3_5"][1],
         vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=512,
+        **TINY_DECODER,
         bos_token_id=1,
         eos_token_id=None,
         pad_token_id=PAD,
@@ -438,13 +432,7 @@ def _llava():
     text = dict(
         model_type="llama",
         vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=512,
+        **TINY_DECODER,
         pad_token_id=PAD,
     )
     vision = dict(
