@@ -202,7 +202,16 @@ def train(config: TrainingConfig, target: nn.Module | None = None) -> dict:
         step = load_checkpoint(accelerator, checkpoint, optimizer, scheduler, anchor_generator)
         accelerator.print(f"Resumed from {checkpoint} (step {step}).")
     summary = {"resumed_from": step if checkpoint is not None else None, "val_acceptance_length": None}
-    log({"event": "start", "step": step, "total_steps": total_steps, "config": asdict(config)})
+    log(
+        {
+            "event": "start",
+            "step": step,
+            "total_steps": total_steps,
+            "num_examples": num_examples,
+            "held_out": held_out,
+            "config": asdict(config),
+        }
+    )
 
     batches = training_batches(
         shards,

@@ -1,0 +1,156 @@
+"""Held-out tau against the number of training samples and the training time (issue 13, item 4).
+
+For each data size (a number of feature shards, the first K of `--features`), train a drafter with one fixed recipe,
+keep a checkpoint at every step of `--eval-at`, and measure each checkpoint's acceptance length on held-out
+MT-Bench and HumanEval prompts with `dflash bench`. Every stage resumes: a finished run or evaluation is kept, an
+interrupted training run continues from its last checkpoint. Two instances with different `--shards` can run side by
+side (one thread each); `--report` then writes the table of whatever is finished.
+
+    python scripts/tau_curve.py --features FEATURES --out CURVE --shards 1 2 4 --steps 400 --eval-at 100 200 400
+    python scripts/tau_curve.py --features FEATURES --out CURVE --report CURVE/curve.md
+
+Training time is the CPU time (user + system) of the training processes, summed over resumes, so that runs sharing
+a machine compare fairly; wall time is recorded beside it.
+"""
+
+import argparse
+import json
+import math
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# The recipe of scripts/train_smollm2.sh (the shipped drafter), minus the step count.
+RECIPE = [
+    "--num-layers", "2", "--block-size", "8", "--mask-token-id", "16", "--draft-vocab-size", "8192",
+    "--num-anchors", "64", "--max-length", "1024", "--batch-size", "8", "--lr", "8e-4", "--warmup-ratio", "0.03",
+    "--eval-every", "1000000", "--num-val-prompts", "4", "--log-every", "10",
+]  # fmt: skip
+BENCH = [
+    "--dataset", "mtbench", "--dataset", "humaneval", "--num-prompts", "3", "--max-new-tokens", "128",
+    "--temperatures", "0", "--methods", "dflash", "--no-draft-check",
+]  # fmt: skip
+
+
+def dflash(*args: str, threads: int) -> float:
+    """Run `dflash ARGS` from this checkout; return its CPU seconds."""
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(threads))
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    subprocess.run([sys.executable, "-m", "transformers_dflash.cli", *args], env=env, check=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def subset(features: Path, out: Path, num_shards: int) -> Path:
+    """A data folder holding links to the first `num_shards` feature shards and their features.json."""
+    shards = sorted(features.glob("shard-*.pt"))
+    if len(shards) < num_shards:
+        raise SystemExit(f"{features} has {len(shards)} feature shards; --shards asks for {num_shards}.")
+    folder = out / f"data-{num_shards}"
+    folder.mkdir(parents=True, exist_ok=True)
+    for source in [*shards[:num_shards], features / "features.json"]:
+        link = folder / source.name
+        if not link.exists():
+            link.symlink_to(source.resolve())
+    return folder
+
+
+def train_and_evaluate(args, num_shards: int) -> None:
+    data = subset(args.features, args.out, num_shards)
+    run = args.out / f"run-{num_shards}"
+    record_path = args.out / f"run-{num_shards}.json"
+    record = json.loads(record_path.read_text()) if record_path.exists() else {"cpu_s": 0.0, "wall_s": 0.0}
+    if not (run / "model.safetensors").exists():
+        save_every = math.gcd(*args.eval_at)
+        start = time.time()
+        cpu = dflash(
+            "train", "--target", "smollm2", "--data", str(data), "--output", str(run), *RECIPE,
+            "--max-steps", str(args.steps), "--save-every", str(save_every),
+            "--keep-checkpoints", str(args.steps // save_every), "--labels", args.labels, *args.train_args,
+            threads=args.threads,
+        )  # fmt: skip
+        record["cpu_s"] += cpu
+        record["wall_s"] += time.time() - start
+        record_path.write_text(json.dumps(record, indent=1))
+    for step in args.eval_at:
+        name = f"run-{num_shards}-step-{step}"
+        if (args.out / "eval" / f"{name}.json").exists():
+            continue
+        checkpoint = run / f"checkpoint-{step:08d}"
+        dflash(
+            "bench", "--drafter", str(checkpoint), *BENCH, "--threads", str(args.threads),
+            "--output-dir", str(args.out / "eval"), "--name", name,
+            threads=args.threads,
+        )  # fmt: skip
+
+
+def report(args) -> str:
+    rows = []
+    for record_path in sorted(args.out.glob("run-*.json"), key=lambda p: int(p.stem.split("-")[1])):
+        num_shards = int(record_path.stem.split("-")[1])
+        run = args.out / f"run-{num_shards}"
+        log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+        start = next(r for r in log if r.get("event") == "start")
+        total_steps = start["total_steps"]
+        record = json.loads(record_path.read_text())
+        examples = start.get("num_examples")
+        for eval_path in sorted((args.out / "eval").glob(f"run-{num_shards}-step-*.json")):
+            step = int(eval_path.stem.rsplit("-", 1)[1])
+            summary = {s["dataset"]: s for s in json.loads(eval_path.read_text())["summary"] if s["method"] == "dflash"}
+            rows.append(
+                {
+                    "shards": num_shards,
+                    "examples": examples,
+                    "step": step,
+                    "epochs": step * start["config"]["batch_size"] / examples if examples else None,
+                    "cpu_min": record["cpu_s"] * step / total_steps / 60,
+                    "tau_mtbench": summary["mtbench"]["tau"],
+                    "tau_humaneval": summary["humaneval"]["tau"],
+                    "tau": summary["all"]["tau"],
+                    "mismatches": summary["all"]["mismatches"],
+                }
+            )
+    lines = [
+        "| shards | training sequences | steps | epochs | training CPU-min | tau MT-Bench | tau HumanEval | tau all |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in sorted(rows, key=lambda r: (r["shards"], r["step"])):
+        epochs = f"{r['epochs']:.1f}" if r["epochs"] else "?"
+        lines.append(
+            f"| {r['shards']} | {r['examples'] or '?'} | {r['step']} | {epochs} | {r['cpu_min']:.0f} | "
+            f"{r['tau_mtbench']:.2f} | {r['tau_humaneval']:.2f} | {r['tau']:.2f} |"
+        )
+    if any(r["mismatches"] for r in rows):
+        lines.append("\nSome outputs differed from plain generate(): see the eval reports.")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--features", type=Path, required=True, help="a `dflash features` folder")
+    parser.add_argument("--out", type=Path, required=True, help="runs, evaluations and the report go here")
+    parser.add_argument("--shards", type=int, nargs="+", default=[1, 2, 4], help="data sizes, in feature shards")
+    parser.add_argument("--steps", type=int, default=400, help="optimizer steps per run (batch 8)")
+    parser.add_argument("--eval-at", type=int, nargs="+", default=[100, 200, 400], help="steps to evaluate")
+    parser.add_argument("--labels", default="auto", help="dflash train --labels")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--report", type=Path, help="write the table of finished runs here, and stop")
+    parser.add_argument("train_args", nargs="*", help="more `dflash train` options, after --")
+    args = parser.parse_args()
+    if args.report:
+        table = report(args)
+        args.report.write_text(table)
+        print(table)
+        return
+    if max(args.eval_at) != args.steps:
+        parser.error("--eval-at must end at --steps (the last checkpoint is the trained drafter)")
+    for num_shards in args.shards:
+        train_and_evaluate(args, num_shards)
+
+
+if __name__ == "__main__":
+    main()
