@@ -282,7 +282,8 @@ def test_dflash_loss_matches_reference_and_offline_features():
 def test_target_choices_are_the_targets_greedy_next_tokens():
     target = tiny_target(torch.float64)
     input_ids = torch.randint(3, 96, (2, 11), generator=torch.Generator().manual_seed(4))
-    features, choices = target_features_and_choices(target, input_ids, [1, 2], chunk=4)  # chunks: 4 + 4 + 2
+    features, choices, top = target_features_and_choices(target, input_ids, [1, 2], chunk=4)  # chunks: 4 + 4 + 2
+    assert top is None
     torch.testing.assert_close(features, target_context_features(target, input_ids, [1, 2]))
     expected = target(input_ids).logits.argmax(-1)
     assert torch.equal(choices[:, 1:], expected[:, :-1]) and torch.equal(choices[:, 0], input_ids[:, 0])
@@ -306,7 +307,7 @@ def test_target_labels_follow_the_verifier_and_mask_off_path_slots():
     input_ids = _target_path_text(target, seq_len, leave_at={9, 14})
     loss_mask = torch.zeros(1, seq_len, dtype=torch.bool)
     loss_mask[0, 3:] = True
-    _, target_ids = target_features_and_choices(target, input_ids, drafter.config.target_layer_ids)
+    _, target_ids, _ = target_features_and_choices(target, input_ids, drafter.config.target_layer_ids)
     off_path = (target_ids != input_ids)[0, 3:].nonzero().flatten() + 3
     assert off_path.tolist() == [9, 14]  # the response leaves the target's greedy path there
 
@@ -554,7 +555,7 @@ def test_features_of_parquet_shards_resume(tmp_path, monkeypatch):
     assert len(offline) == 8 and offline[0]["context_features"].shape[-1] == 2 * target.config.hidden_size
     # the target's own choices ride along with the features
     first = offline[0]
-    _, choices = target_features_and_choices(target, first["input_ids"][None], [1, 2])
+    _, choices, _ = target_features_and_choices(target, first["input_ids"][None], [1, 2])
     assert torch.equal(first["target_ids"], choices[0])
     info = json.loads((out / "features.json").read_text())
     assert info["target_choices"] is True and 0 <= info["target_agreement"] <= 1

@@ -44,6 +44,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "target's path (what verification accepts); 'text' = the data's tokens; 'auto' = 'target' when the target's "
         "choices are known (features from `dflash features`, or online training)",
     )
+    parser.add_argument(
+        "--kl-weight",
+        type=float,
+        default=d.kl_weight,
+        help="distillation: share of KL(target || drafter) over the target's top tokens in the loss, the rest being "
+        "cross-entropy on the hard labels (offline, needs `dflash features --top-k`)",
+    )
     parser.add_argument("--max-length", type=int, default=d.max_length, help="truncate sequences to this many tokens")
     parser.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per process and micro-batch")
     parser.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per optimizer step")
@@ -104,6 +111,13 @@ def add_features_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument(
         "--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16", help="storage dtype of the features"
     )
+    parser.add_argument(
+        "--top-k",
+        type=int,
+        default=0,
+        help="also keep the target's K most likely next tokens and their log-probabilities at every position, the "
+        "soft labels of `dflash train --kl-weight` (16 suffices; 0 = none)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     return parser
 
@@ -120,8 +134,17 @@ def run_features(args: argparse.Namespace) -> int:
     if layer_ids is None:
         lm_config = text_config(target.config)
         layer_ids = default_target_layer_ids(lm_config.num_hidden_layers, args.num_target_features)
+    if args.top_k < 0:
+        raise ValueError(f"--top-k {args.top_k}: use 0 (no soft labels) or a positive number of tokens, e.g. 16.")
     out = cache_context_features(
-        target, args.data, args.out, layer_ids, args.batch_size, args.max_length, getattr(torch, args.dtype)
+        target,
+        args.data,
+        args.out,
+        layer_ids,
+        args.batch_size,
+        args.max_length,
+        getattr(torch, args.dtype),
+        top_k=args.top_k,
     )
     print(f"features of layers {layer_ids} in {out}; train on them with `dflash train --data {out} ...`")
     return 0

@@ -61,6 +61,12 @@ def collate(examples: list[dict], max_length: int) -> dict:
         batch["target_ids"] = input_ids.clone()
         for i, (example, length) in enumerate(zip(examples, lengths)):
             batch["target_ids"][i, :length] = example["target_ids"][:length]
+    for name in ("target_top_ids", "target_top_logprobs"):  # `dflash features --top-k`; padding is never labelled
+        if all(name in example for example in examples):
+            first = examples[0][name]
+            batch[name] = first.new_zeros(batch_size, seq_len, first.shape[-1])
+            for i, (example, length) in enumerate(zip(examples, lengths)):
+                batch[name][i, :length] = example[name][:length]
     return batch
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..configuration_dflash import text_config
 from ..data import list_shards, load_shard
 from .batches import collate
 
@@ -28,12 +29,17 @@ def cache_context_features(
     max_length: int = 2048,
     dtype: torch.dtype = torch.bfloat16,
     progress: bool = True,
+    top_k: int = 0,
 ) -> Path:
     """Offline training data: every shard of `data_dir` again, each example with its `context_features`.
 
     The target reads each (truncated) sequence once; the features are stored in `dtype` (bfloat16 halves the disk
-    and is what a bf16 target would produce anyway). Resumable: shards already in `out_dir` are kept. `features.json`
+    and is what a bf16 target would produce anyway). An example whose prompt fills `max_length` keeps no response
+    token and is left out. Resumable: shards already in `out_dir` are kept. `features.json`
     records the layer ids, so that training refuses features of other layers.
+
+    top_k > 0 also keeps, at every position, the target's `top_k` most likely next tokens and their log-probabilities
+    (`target_top_ids`, `target_top_logprobs`): the soft labels of `dflash train --kl-weight`.
     """
     from tqdm.auto import tqdm
 
@@ -45,6 +51,7 @@ def cache_context_features(
         "dtype": str(dtype).replace("torch.", ""),
         "source": str(Path(data_dir).resolve()),
         "target_choices": True,  # every shard also stores `target_ids`
+        "target_top_k": int(top_k),
     }
     info_path = out_dir / FEATURES_INFO
     if info_path.exists():
@@ -53,6 +60,12 @@ def cache_context_features(
             raise ValueError(
                 f"{out_dir} holds features of an older `dflash features` without the target's choices; resuming "
                 "there would mix shards with and without them. Use another --out directory, or delete this one."
+            )
+        if list(out_dir.glob("shard-*.pt")) and previous.get("target_top_k", 0) != top_k:
+            raise ValueError(
+                f"{out_dir} holds features with the target's top {previous.get('target_top_k', 0)} tokens per "
+                f"position; asked for --top-k {top_k}. Resume with --top-k {previous.get('target_top_k', 0)}, or use "
+                "another --out directory."
             )
         if previous.get("target_layer_ids") != info["target_layer_ids"] or previous.get("max_length") != max_length:
             raise ValueError(
@@ -65,6 +78,7 @@ def cache_context_features(
     shards = list_shards(data_dir)
     bar = tqdm(total=len(shards), desc="features", unit="shard", disable=not progress)
     agreed = labelled = 0  # response tokens (of the shards computed in this run) that equal the target's choice
+    skipped = 0  # examples of those shards left out: truncated to max_length, they keep no response token
     for shard in shards:
         destination = out_dir / f"{shard.stem}.pt"  # features are tensors: always the torch format
         if destination.exists():
@@ -76,42 +90,58 @@ def cache_context_features(
         for start in range(0, len(order), batch_size):
             chunk = [examples[i] for i in order[start : start + batch_size]]
             batch = collate(chunk, max_length)
-            features, choices = target_features_and_choices(
+            features, choices, top = target_features_and_choices(
                 target,
                 batch["input_ids"].to(device),
                 target_layer_ids,
                 None if batch["attention_mask"] is None else batch["attention_mask"].to(device),
+                top_k=top_k,
             )
             for row, i in enumerate(order[start : start + batch_size]):
                 length = min(len(examples[i]["input_ids"]), max_length)
+                if not examples[i]["loss_mask"][:length].any():
+                    skipped += 1  # a prompt longer than max_length: no response token left to learn from
+                    continue
                 records[i] = {
                     "input_ids": examples[i]["input_ids"][:length].clone(),
                     "loss_mask": examples[i]["loss_mask"][:length].clone(),
                     "context_features": features[row, :length].to("cpu", dtype).clone(),
                     "target_ids": choices[row, :length].cpu().clone(),
                 }
+                if top is not None:  # ids fit int32; log-probabilities need no more than float16
+                    records[i]["target_top_ids"] = top[0][row, :length].to("cpu", torch.int32).clone()
+                    records[i]["target_top_logprobs"] = top[1][row, :length].to("cpu", torch.float16).clone()
                 response = records[i]["loss_mask"]
                 agreed += int((records[i]["target_ids"] == records[i]["input_ids"])[response].sum())
                 labelled += int(response.sum())
         tmp = destination.with_name(destination.name + ".tmp")
-        torch.save(records, tmp)
+        torch.save([record for record in records if record is not None], tmp)
         tmp.replace(destination)  # atomic: a shard is either whole or absent
         bar.update(1)
         bar.set_postfix(target_agreement=f"{agreed / max(labelled, 1):.4f}")
     bar.close()
     if labelled:
         info["target_agreement"] = agreed / labelled  # of the shards computed by the last run
+        info["skipped_no_response"] = skipped
         info_path.write_text(json.dumps(info, indent=1))
     return out_dir
 
 
-def check_cached_features(data_dir: str | Path, target_layer_ids: list[int], labels: str = "auto") -> None:
+def check_cached_features(
+    data_dir: str | Path, target_layer_ids: list[int], labels: str = "auto", kl_weight: float = 0.0
+) -> None:
     """Refuse offline features of other target layers than the drafter's (they would train it on the wrong input),
-    and `labels="target"` on features cached without the target's choices."""
+    `labels="target"` on features cached without the target's choices, and `kl_weight > 0` on features without the
+    target's top tokens."""
     info_path = Path(data_dir) / FEATURES_INFO
     if not info_path.exists():
         return
     info = json.loads(info_path.read_text())
+    if kl_weight > 0 and not info.get("target_top_k"):
+        raise ValueError(
+            f"{data_dir} holds features without the target's top tokens per position, which --kl-weight needs. "
+            "Cache them with `dflash features --top-k 16 --out NEW_DIR`, or train with --kl-weight 0."
+        )
     if labels == "target" and not info.get("target_choices"):
         raise ValueError(
             f"{data_dir} holds features cached without the target's choices (an older `dflash features`), which "
@@ -134,11 +164,18 @@ def target_context_features(target: nn.Module, input_ids, layer_ids, attention_m
 
 @torch.no_grad()
 def target_features_and_choices(
-    target: nn.Module, input_ids, layer_ids, attention_mask=None, choices: bool = True, chunk: int = 256
-) -> tuple[torch.Tensor, torch.LongTensor | None]:
+    target: nn.Module,
+    input_ids,
+    layer_ids,
+    attention_mask=None,
+    choices: bool = True,
+    chunk: int = 256,
+    top_k: int = 0,
+) -> tuple[torch.Tensor, torch.LongTensor | None, tuple[torch.LongTensor, torch.Tensor] | None]:
     """`target_context_features` and, from the same forward, the target's greedy choice at every position
     (`target_ids [b, S]`: `target_ids[:, t]` = argmax of the logits after `input_ids[:, :t]`; position 0, which
-    nothing predicts, keeps its own token).
+    nothing predicts, keeps its own token), and with `top_k > 0` the target's `top_k` most likely tokens there with
+    their log-probabilities (`(top_ids, top_logprobs)`, each `[b, S, top_k]`, ranked; zeros at position 0), else None.
 
     The LM head runs `chunk` positions at a time, so the `[b, S, vocab]` logits never exist at once. Softcapping and
     logit scales that some targets apply after the head are monotonic, so the argmax of the head is theirs.
@@ -147,12 +184,38 @@ def target_features_and_choices(
         input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False
     )
     features = torch.cat([outputs.hidden_states[i + 1] for i in layer_ids], dim=-1)
-    if not choices:
-        return features, None
+    if not choices and not top_k:
+        return features, None, None
     head = target.get_output_embeddings()
     last = outputs.last_hidden_state
+    batch, seq_len = input_ids.shape
     target_ids = input_ids.clone()
-    for start in range(0, last.shape[1] - 1, chunk):
-        end = min(start + chunk, last.shape[1] - 1)
-        target_ids[:, start + 1 : end + 1] = head(last[:, start:end]).argmax(-1)
-    return features, target_ids
+    top = None
+    if top_k:
+        top = (
+            input_ids.new_zeros(batch, seq_len, top_k),
+            last.new_zeros(batch, seq_len, top_k, dtype=torch.float32),
+        )
+    for start in range(0, seq_len - 1, chunk):
+        end = min(start + chunk, seq_len - 1)
+        logits = head(last[:, start:end])
+        target_ids[:, start + 1 : end + 1] = logits.argmax(-1)
+        if top_k:
+            values, ids = final_logits(target, logits).float().log_softmax(-1).topk(top_k, dim=-1)
+            top[0][:, start + 1 : end + 1] = ids
+            top[1][:, start + 1 : end + 1] = values
+    return features, target_ids if choices else None, top
+
+
+def final_logits(target: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """The target's logits from its LM head's output: the scale (Cohere, Granite) and softcap (Gemma 2) that some
+    families apply after the head. Monotonic, so the argmax is the head's; the distribution is not."""
+    config = text_config(target.config)
+    if getattr(config, "logit_scale", None):
+        logits = logits * config.logit_scale
+    if getattr(config, "logits_scaling", None):
+        logits = logits / config.logits_scaling
+    softcap = getattr(config, "final_logit_softcapping", None)
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits

@@ -40,6 +40,7 @@ class TrainingConfig:
     num_anchors: int = 512
     gamma: float | None = None
     labels: str = "auto"  # "target": the target's own choices (see loss.py), "text": the data's tokens
+    kl_weight: float = 0.0  # share of KL(target || drafter) in the loss (distillation; see loss.py)
     max_length: int = 2048
     # optimisation
     batch_size: int = 1
@@ -173,7 +174,7 @@ def train(config: TrainingConfig, target: nn.Module | None = None) -> dict:
                 draft_vocabulary(config.data, c.draft_vocab_size, c.vocab_size, exclude=[c.mask_token_id])
             )
     check_label_rule(config.labels)
-    check_cached_features(config.data, drafter.config.target_layer_ids, config.labels)
+    check_cached_features(config.data, drafter.config.target_layer_ids, config.labels, config.kl_weight)
     drafter.float().train()
     if drafter.config._attn_implementation in (None, "flash_attention_2"):
         drafter.config._attn_implementation = "sdpa"  # FlashAttention-2 cannot express the packed-block mask
@@ -262,6 +263,9 @@ def train(config: TrainingConfig, target: nn.Module | None = None) -> dict:
                     generator=anchor_generator,
                     target_ids=batch.get("target_ids"),
                     labels=config.labels,
+                    target_top_ids=batch.get("target_top_ids"),
+                    target_top_logprobs=batch.get("target_top_logprobs"),
+                    kl_weight=config.kl_weight,
                 )
                 accelerator.backward(loss / config.grad_accum)
             loss_sum += metrics["loss"] / config.grad_accum
@@ -282,6 +286,7 @@ def train(config: TrainingConfig, target: nn.Module | None = None) -> dict:
                 "accuracy": metrics["accuracy"].item(),
                 "acceptance_length": metrics["acceptance_length"].item(),
                 "text_agreement": metrics["text_agreement"].item(),
+                **({"kl": metrics["kl"].item()} if "kl" in metrics else {}),
                 "slot_accuracy": [round(a, 4) for a in metrics["slot_accuracy"].tolist()],
                 "lr": scheduler.get_last_lr()[0],
                 "grad_norm": float(grad_norm),

@@ -28,6 +28,10 @@ def dflash_loss(
     generator: torch.Generator | None = None,
     target_ids: torch.LongTensor | None = None,
     labels: str = "auto",
+    target_top_ids: torch.Tensor | None = None,
+    target_top_logprobs: torch.Tensor | None = None,
+    kl_weight: float = 0.0,
+    top_k: int = 16,
 ) -> tuple[torch.Tensor, dict]:
     """The DFlash training loss of a batch: random anchored blocks, one packed drafter forward, weighted cross-entropy.
 
@@ -46,6 +50,11 @@ def dflash_loss(
             there is not in the data). With the target's own greedy answers this equals "text".
         "text": the data's own next token.
         "auto" (default): "target" when `target_ids` is given or the target runs here, else "text".
+    target_top_ids, target_top_logprobs `[b, S, k]`: the target's k most likely next tokens at each position and
+        their log-probabilities (`dflash features --top-k`); computed here (`top_k` of them) when the target runs.
+    kl_weight: distillation. The loss is `(1 - kl_weight) * cross-entropy + kl_weight * KL(target || drafter)` on the
+        same labelled slots and weights, the target's distribution being its top k renormalised over the draft
+        vocabulary. 0 (default) trains on the hard labels alone.
 
     Returns `(loss, metrics)`; metrics are detached tensors: `loss`, `accuracy` (top-1 over labelled slots),
     `slot_accuracy` `[block_size - 1]` (slots 1 ..), `acceptance_length` (a proxy of tau: 1 + the mean number of
@@ -61,11 +70,26 @@ def dflash_loss(
     dtype = unwrapped.fc.weight.dtype
 
     check_label_rule(labels)
+    if not 0.0 <= kl_weight <= 1.0:
+        raise ValueError(f"kl_weight={kl_weight}: use a share between 0 (hard labels only) and 1 (KL only).")
+    distill = kl_weight > 0
     if context_features is None:
-        context_features, computed_ids = target_features_and_choices(
-            target, input_ids, config.target_layer_ids, attention_mask, choices=labels != "text" and target_ids is None
+        context_features, computed_ids, computed_top = target_features_and_choices(
+            target,
+            input_ids,
+            config.target_layer_ids,
+            attention_mask,
+            choices=labels != "text" and target_ids is None,
+            top_k=top_k if distill and target_top_ids is None else 0,
         )
         target_ids = computed_ids if target_ids is None else target_ids
+        if computed_top is not None:
+            target_top_ids, target_top_logprobs = computed_top
+    if distill and (target_top_ids is None or target_top_logprobs is None):
+        raise ValueError(
+            "kl_weight > 0 needs the target's top tokens per position: the cached features carry none. Cache them "
+            "with `dflash features --top-k 16 --out NEW_DIR`, or train with --kl-weight 0."
+        )
     if labels == "target" and target_ids is None:
         raise ValueError(
             'labels="target" needs the target\'s choices: the cached features carry none (made by an older '
@@ -112,7 +136,8 @@ def dflash_loss(
     logits = F.linear(hidden[labelled].to(head_weight.dtype), head_weight, head_bias)  # [num_labels, draft vocab]
     logits = logits.float() if logits.element_size() < 4 else logits  # cross-entropy in float32 at least
     targets = block_labels[labelled]
-    weights = loss_weights(block_size, gamma).to(device).expand_as(labelled)[labelled]
+    slot_weights = loss_weights(block_size, gamma).to(device).expand_as(labelled)[labelled]
+    weights = slot_weights
     vocab_ids = unwrapped.draft_vocab_ids
     if vocab_ids is None:
         draft_targets = targets
@@ -123,6 +148,22 @@ def dflash_loss(
         weights = weights * (draft_targets >= 0)
     token_losses = F.cross_entropy(logits, draft_targets.clamp(min=0), reduction="none")
     loss = (token_losses * weights).sum() / weights.sum().clamp(min=1e-8)
+    kl = None
+    if distill:
+        # The target's distribution at each labelled slot's position: the same context as its hard label.
+        k = target_top_ids.shape[-1]
+        index = label_positions[:, :, None].expand(-1, -1, k)
+        teacher_ids = target_top_ids.long().gather(1, index).view(batch, num_blocks, block_size, k)[labelled]
+        teacher_logprobs = target_top_logprobs.float().gather(1, index).view(batch, num_blocks, block_size, k)
+        if vocab_ids is not None:
+            teacher_ids = target_to_draft[teacher_ids]  # -1: outside the draft vocabulary
+        kl = distillation_loss(
+            logits,
+            teacher_ids,
+            teacher_logprobs[labelled],
+            slot_weights,
+        )
+        loss = (1 - kl_weight) * loss + kl_weight * kl
 
     with torch.no_grad():
         predictions = logits.argmax(dim=-1)
@@ -144,4 +185,26 @@ def dflash_loss(
             # share of the labels that equal the data's own token (1 with the text rule)
             "text_agreement": (text_labels[labelled] == targets).float().sum() / max(len(targets), 1),
         }
+        if kl is not None:
+            metrics["kl"] = kl.detach()
     return loss, metrics
+
+
+def distillation_loss(
+    logits: torch.Tensor, teacher_ids: torch.LongTensor, teacher_logprobs: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """Weighted mean of KL(teacher || drafter) over labelled slots.
+
+    logits `[n, V]`: the drafter's, over its (draft) vocabulary. teacher_ids `[n, k]`: the target's top k tokens in
+    that vocabulary (-1 = outside it, dropped), teacher_logprobs `[n, k]` theirs. The teacher is renormalised over
+    the tokens kept; a slot with none kept has no loss.
+    """
+    kept = teacher_ids >= 0
+    teacher = teacher_logprobs.exp() * kept
+    mass = teacher.sum(-1, keepdim=True)
+    teacher = teacher / mass.clamp(min=1e-12)
+    student = logits.log_softmax(-1).gather(1, teacher_ids.clamp(min=0))
+    teacher_log = torch.where(teacher > 0, teacher.clamp(min=1e-12).log(), torch.zeros_like(teacher))
+    per_slot = (teacher * (teacher_log - student)).sum(-1)
+    weights = weights * (mass.squeeze(-1) > 0)
+    return (per_slot * weights).sum() / weights.sum().clamp(min=1e-8)

@@ -1,0 +1,188 @@
+"""Distillation: the target's top tokens cached by `dflash features --top-k`, and the KL term of `dflash train
+--kl-weight`."""
+
+import json
+
+import pytest
+import torch
+from test_training import read_log, small_config, tiny_drafter, tiny_target, write_shards
+
+from transformers_dflash import DFlashDraftModel
+from transformers_dflash.training import (
+    cache_context_features,
+    check_cached_features,
+    dflash_loss,
+    target_features_and_choices,
+    train,
+)
+from transformers_dflash.training.features import final_logits
+
+
+def test_top_tokens_are_the_targets_distribution():
+    target = tiny_target(torch.float64)
+    input_ids = torch.randint(3, 96, (2, 11), generator=torch.Generator().manual_seed(4))
+    _, choices, (top_ids, top_logprobs) = target_features_and_choices(target, input_ids, [1, 2], chunk=4, top_k=5)
+    expected = target(input_ids).logits.log_softmax(-1).topk(5, dim=-1)
+    assert torch.equal(top_ids[:, 1:], expected.indices[:, :-1])
+    torch.testing.assert_close(top_logprobs[:, 1:], expected.values[:, :-1].float())
+    assert torch.equal(top_ids[:, 1:, 0], choices[:, 1:])  # the first of them is the greedy choice
+    assert not top_ids[:, 0].any() and not top_logprobs[:, 0].any()  # nothing predicts position 0
+    _, no_choices, top = target_features_and_choices(target, input_ids, [1, 2], choices=False, top_k=3)
+    assert no_choices is None and top[0].shape == (2, 11, 3)
+
+
+def _family(name):
+    import transformers
+
+    small = dict(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
+    if name == "gemma2":
+        config = transformers.Gemma2Config(**small, final_logit_softcapping=2.0, query_pre_attn_scalar=16)
+        return transformers.Gemma2ForCausalLM(config)
+    if name == "cohere":
+        return transformers.CohereForCausalLM(transformers.CohereConfig(**small, logit_scale=0.25))
+    return transformers.GraniteForCausalLM(transformers.GraniteConfig(**small, logits_scaling=4.0))
+
+
+@pytest.mark.parametrize("name", ["gemma2", "cohere", "granite"])
+def test_final_logits_apply_the_families_scale_and_softcap(name):
+    torch.manual_seed(0)
+    target = _family(name).eval()
+    input_ids = torch.randint(3, 96, (1, 7))
+    with torch.no_grad():
+        hidden = target.get_decoder()(input_ids=input_ids).last_hidden_state
+        head = target.get_output_embeddings()(hidden)
+        logits = target(input_ids).logits
+    assert not torch.allclose(head, logits)  # the family changes the head's output
+    torch.testing.assert_close(final_logits(target, head), logits)
+
+
+def _loss(drafter, target, input_ids, loss_mask, **kwargs):
+    return dflash_loss(drafter, target, input_ids, loss_mask, 6, generator=torch.Generator().manual_seed(2), **kwargs)
+
+
+@pytest.mark.parametrize("draft_vocab", [False, True])
+def test_kl_to_a_one_hot_teacher_is_the_cross_entropy(draft_vocab):
+    """With the target's choice as its only top token (probability 1), KL(target || drafter) is the cross-entropy on
+    the hard labels: the same slots, the same weights, the same tokens outside the draft vocabulary dropped."""
+    target = tiny_target(torch.float64, initializer_range=0.2)
+    if draft_vocab:  # a draft vocabulary that leaves out some of the labels
+        torch.manual_seed(1)
+        drafter = DFlashDraftModel.from_target(
+            target, num_layers=2, block_size=8, target_layer_ids=[1, 2], draft_vocab_size=57
+        )
+        drafter.set_draft_vocabulary(torch.arange(3, 60))
+    else:
+        drafter = tiny_drafter(target, std=0.1)
+    drafter = drafter.double()
+    input_ids = torch.randint(3, 96, (2, 20), generator=torch.Generator().manual_seed(5))
+    loss_mask = torch.zeros(2, 20, dtype=torch.bool)
+    loss_mask[:, 4:] = True
+    features, target_ids, _ = target_features_and_choices(target, input_ids, drafter.config.target_layer_ids)
+    one_hot = {"target_top_ids": target_ids[..., None], "target_top_logprobs": torch.zeros(2, 20, 1)}
+    hard, _ = _loss(drafter, target, input_ids, loss_mask, context_features=features, target_ids=target_ids)
+    kl, metrics = _loss(
+        drafter,
+        target,
+        input_ids,
+        loss_mask,
+        context_features=features,
+        target_ids=target_ids,
+        kl_weight=1.0,
+        **one_hot,
+    )
+    torch.testing.assert_close(kl, hard)
+    torch.testing.assert_close(metrics["kl"], hard.detach())
+
+
+def test_kl_online_equals_cached_and_trains_the_drafter():
+    target = tiny_target(torch.float64, initializer_range=0.2)
+    drafter = tiny_drafter(target, std=0.1).double()
+    input_ids = torch.randint(3, 96, (2, 20), generator=torch.Generator().manual_seed(6))
+    loss_mask = torch.ones(2, 20, dtype=torch.bool)
+    loss_mask[:, :3] = False
+    features, target_ids, (top_ids, top_logprobs) = target_features_and_choices(
+        target, input_ids, drafter.config.target_layer_ids, top_k=16
+    )
+    online, online_metrics = _loss(drafter, target, input_ids, loss_mask, kl_weight=0.5)  # the target runs here
+    cached, _ = _loss(
+        drafter,
+        target,
+        input_ids,
+        loss_mask,
+        context_features=features,
+        target_ids=target_ids,
+        target_top_ids=top_ids,
+        target_top_logprobs=top_logprobs,
+        kl_weight=0.5,
+    )
+    hard, hard_metrics = _loss(drafter, target, input_ids, loss_mask)
+    torch.testing.assert_close(online, cached)
+    torch.testing.assert_close(online, 0.5 * hard + 0.5 * online_metrics["kl"])
+    assert online_metrics["kl"] > 0 and "kl" not in hard_metrics
+    online.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in drafter.parameters())
+
+
+def test_kl_needs_the_targets_top_tokens(tmp_path):
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    input_ids = torch.randint(3, 96, (1, 12))
+    loss_mask = torch.ones(1, 12, dtype=torch.bool)
+    features, target_ids, _ = target_features_and_choices(target, input_ids, drafter.config.target_layer_ids)
+    with pytest.raises(ValueError, match="top tokens.*--top-k 16.*--kl-weight 0"):
+        _loss(drafter, target, input_ids, loss_mask, context_features=features, target_ids=target_ids, kl_weight=0.3)
+    with pytest.raises(ValueError, match="kl_weight=1.5: use a share between 0"):
+        _loss(drafter, target, input_ids, loss_mask, kl_weight=1.5)
+    (tmp_path / "features.json").write_text(json.dumps({"target_layer_ids": [1, 2], "target_choices": True}))
+    with pytest.raises(ValueError, match="without the target's top tokens.*--top-k 16"):
+        check_cached_features(tmp_path, [1, 2], "auto", kl_weight=0.3)
+    check_cached_features(tmp_path, [1, 2], "auto")
+
+
+def test_features_with_top_tokens_train_with_kl_and_resume_only_alike(tmp_path):
+    target = tiny_target()
+    examples = write_shards(tmp_path / "data", target, num_examples=8, per_shard=4)
+    out = cache_context_features(
+        target, tmp_path / "data", tmp_path / "features", [1, 2], batch_size=3, dtype=torch.float32, progress=False,
+        top_k=4,
+    )  # fmt: skip
+    records = torch.load(out / "shard-00000.pt", weights_only=True)
+    _, choices, (top_ids, top_logprobs) = target_features_and_choices(
+        target, examples[0]["input_ids"][None], [1, 2], top_k=4
+    )
+    assert records[0]["target_top_ids"].dtype == torch.int32 and records[0]["target_top_logprobs"].shape[-1] == 4
+    assert torch.equal(records[0]["target_top_ids"].long(), top_ids[0])
+    torch.testing.assert_close(records[0]["target_top_logprobs"].float(), top_logprobs[0], atol=2e-3, rtol=1e-3)
+    assert json.loads((out / "features.json").read_text())["target_top_k"] == 4
+    with pytest.raises(ValueError, match="top 4 tokens.*--top-k 0.*Resume with --top-k 4"):
+        cache_context_features(target, tmp_path / "data", out, [1, 2], dtype=torch.float32, progress=False)
+
+    config = small_config(
+        tmp_path, out, tmp_path / "run", max_steps=2, save_every=100, kl_weight=0.5, target_layer_ids=[1, 2]
+    )
+    train(config, target)
+    logged = [r for r in read_log(tmp_path / "run") if "loss" in r]
+    assert logged and all(r["kl"] > 0 for r in logged)
+
+
+def test_features_leave_out_examples_without_a_response_token(tmp_path):
+    target = tiny_target()
+    write_shards(tmp_path / "data", target, num_examples=6, per_shard=6, prompt_len=8, response_len=16)
+    records = torch.load(tmp_path / "data" / "shard-00000.pt", weights_only=True)
+    records[2]["loss_mask"][:] = False
+    records[2]["loss_mask"][-1] = True  # its only response token lies past max_length
+    torch.save(records, tmp_path / "data" / "shard-00000.pt")
+    out = cache_context_features(
+        target, tmp_path / "data", tmp_path / "features", [1, 2], max_length=10, progress=False
+    )
+    kept = torch.load(out / "shard-00000.pt", weights_only=True)
+    assert len(kept) == 5 and all(r["loss_mask"].any() for r in kept)
+    assert json.loads((out / "features.json").read_text())["skipped_no_response"] == 1
