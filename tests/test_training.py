@@ -12,7 +12,7 @@ from torch.nn import functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from transformers_dflash import DFlashCandidateGenerator, DFlashDraftModel
-from transformers_dflash.data import shard_to_parquet_bytes
+from transformers_dflash.data import ShardCorruptedError, shard_to_parquet_bytes
 from transformers_dflash.training import (
     TrainingConfig,
     add_train_arguments,
@@ -559,3 +559,28 @@ def test_features_of_parquet_shards_resume(tmp_path, monkeypatch):
     assert torch.equal(first["target_ids"], choices[0])
     info = json.loads((out / "features.json").read_text())
     assert info["target_choices"] is True and 0 <= info["target_agreement"] <= 1
+
+
+def test_a_damaged_features_shard_names_the_features_command(tmp_path):
+    target = tiny_target()
+    write_shards(tmp_path / "data", target, num_examples=6, per_shard=3)
+    out = cache_context_features(target, tmp_path / "data", tmp_path / "features", [1, 2], progress=False)
+    (out / "shard-00001.pt").write_bytes((out / "shard-00001.pt").read_bytes()[:100])
+    with pytest.raises(ShardCorruptedError, match="shard-00001.pt.*rerun the same `dflash features` command"):
+        list(iter_training_examples(out))
+
+
+def test_features_record_shard_sizes_and_training_trusts_only_unchanged_files(tmp_path, monkeypatch):
+    from transformers_dflash.training import features as features_module
+
+    target = tiny_target()
+    write_shards(tmp_path / "data", target, num_examples=7, per_shard=4)
+    out = cache_context_features(target, tmp_path / "data", tmp_path / "features", [1, 2], progress=False)
+    shards = sorted(out.glob("shard-*.pt"))
+    loaded = []
+    original = features_module.load_shard
+    monkeypatch.setattr(features_module, "load_shard", lambda path: loaded.append(path.name) or original(path))
+    assert features_module.shard_sizes(out, shards) == [4, 3] and loaded == []  # read from features.json
+    records = torch.load(shards[0], weights_only=True)
+    torch.save(records[:2], shards[0])  # the file changed after it was recorded: count it again
+    assert features_module.shard_sizes(out, shards) == [2, 3] and loaded == ["shard-00000.pt"]

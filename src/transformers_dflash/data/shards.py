@@ -32,6 +32,11 @@ FORMAT_VERSION = 1
 
 
 def _delete_hint(path: Path) -> str:
+    if (path.parent / "features.json").exists():  # a `dflash features` folder (training/features.py writes it)
+        return (
+            f"Delete {path} and rerun the same `dflash features` command: only the missing shards are computed, "
+            "finished ones are kept."
+        )
     return (
         f"Delete {path} and rerun the same `dflash regenerate` command: only the missing shards are regenerated, "
         "finished ones are kept."

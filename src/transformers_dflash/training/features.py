@@ -73,6 +73,8 @@ def cache_context_features(
                 f"{previous.get('max_length')}); asked for {info['target_layer_ids']} ({max_length}). Use another "
                 "--out directory, or delete this one."
             )
+        info["shard_sizes"] = previous.get("shard_sizes", {})
+    info.setdefault("shard_sizes", {})  # examples per finished shard, so that training need not load them to count
     info_path.write_text(json.dumps(info, indent=1))
     device = next(target.parameters()).device
     shards = list_shards(data_dir)
@@ -115,8 +117,11 @@ def cache_context_features(
                 agreed += int((records[i]["target_ids"] == records[i]["input_ids"])[response].sum())
                 labelled += int(response.sum())
         tmp = destination.with_name(destination.name + ".tmp")
-        torch.save([record for record in records if record is not None], tmp)
+        records = [record for record in records if record is not None]
+        torch.save(records, tmp)
         tmp.replace(destination)  # atomic: a shard is either whole or absent
+        info["shard_sizes"][destination.name] = {"examples": len(records), "bytes": destination.stat().st_size}
+        info_path.write_text(json.dumps(info, indent=1))
         bar.update(1)
         bar.set_postfix(target_agreement=f"{agreed / max(labelled, 1):.4f}")
     bar.close()
@@ -219,3 +224,18 @@ def final_logits(target: nn.Module, logits: torch.Tensor) -> torch.Tensor:
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
     return logits
+
+
+def shard_sizes(data_dir: str | Path, shards: list[Path]) -> list[int]:
+    """Examples per shard: from features.json where `dflash features` recorded them for a file of the same size,
+    else by loading the shard."""
+    info_path = Path(data_dir) / FEATURES_INFO
+    recorded = json.loads(info_path.read_text()).get("shard_sizes", {}) if info_path.exists() else {}
+    sizes = []
+    for path in shards:
+        known = recorded.get(path.name)
+        if known is not None and known["bytes"] == path.stat().st_size:
+            sizes.append(known["examples"])
+        else:
+            sizes.append(len(load_shard(path)))
+    return sizes

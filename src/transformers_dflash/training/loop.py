@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..data import list_shards, load_shard
+from ..data import list_shards
 from ..modeling_dflash import DFlashDraftModel
 from .batches import draft_vocabulary, training_batches, validation_prompts
-from .features import check_cached_features
+from .features import check_cached_features, shard_sizes
 from .loss import check_label_rule, dflash_loss
 from .validation import evaluate_acceptance_length
 
@@ -181,10 +181,10 @@ def train(config: TrainingConfig, target: nn.Module | None = None) -> dict:
 
     # Data: the first num_val_prompts examples are held out for validation unless val_data is given.
     shards = list_shards(config.data)
-    shard_sizes = [len(load_shard(path)) for path in shards]
-    shard_offsets = [sum(shard_sizes[:i]) for i in range(len(shards))]
+    sizes = shard_sizes(config.data, shards)
+    shard_offsets = [sum(sizes[:i]) for i in range(len(shards))]
     held_out = 0 if config.val_data else config.num_val_prompts
-    num_examples = sum(shard_sizes) - held_out
+    num_examples = sum(sizes) - held_out
     prompts = validation_prompts(config.val_data or config.data, config.num_val_prompts)
     batches_per_epoch = num_examples // accelerator.num_processes // config.batch_size
     total_steps = config.max_steps or math.ceil(config.epochs * batches_per_epoch / config.grad_accum)
