@@ -1,0 +1,54 @@
+"""scripts/tau_curve.py: the data subsets it trains on and the table it reports (the runs themselves are real
+training and benchmark commands, tested with their own modules)."""
+
+import argparse
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "tau_curve.py"
+
+
+@pytest.fixture(scope="module")
+def tau_curve():
+    spec = importlib.util.spec_from_file_location("tau_curve", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_subset_links_the_first_shards(tau_curve, tmp_path):
+    features = tmp_path / "features"
+    features.mkdir()
+    for i in range(3):
+        (features / f"shard-{i:05d}.pt").write_bytes(b"x")
+    (features / "features.json").write_text("{}")
+    folder = tau_curve.subset(features, tmp_path / "curve", 2)
+    assert sorted(p.name for p in folder.iterdir()) == ["features.json", "shard-00000.pt", "shard-00001.pt"]
+    assert (folder / "shard-00001.pt").resolve() == (features / "shard-00001.pt").resolve()
+    assert tau_curve.subset(features, tmp_path / "curve", 2) == folder  # a rerun keeps the links
+    with pytest.raises(SystemExit, match="has 3 feature shards; --shards asks for 4"):
+        tau_curve.subset(features, tmp_path / "curve", 4)
+
+
+def test_report_tabulates_finished_evaluations(tau_curve, tmp_path):
+    out = tmp_path / "curve"
+    (out / "run-2").mkdir(parents=True)
+    (out / "eval").mkdir()
+    start = {"event": "start", "step": 0, "total_steps": 400, "num_examples": 500, "config": {"batch_size": 8}}
+    (out / "run-2" / "log.jsonl").write_text(json.dumps(start) + "\n" + json.dumps({"step": 10, "loss": 5.0}) + "\n")
+    (out / "run-2.json").write_text(json.dumps({"cpu_s": 2400.0, "wall_s": 2600.0}))
+    for step, tau in [(200, 1.1), (400, 1.2)]:
+        summary = [
+            {"dataset": name, "method": method, "tau": 1.0 if method == "baseline" else tau + offset, "mismatches": 0}
+            for name, offset in [("mtbench", 0.02), ("humaneval", -0.02), ("all", 0.0)]
+            for method in ("baseline", "dflash")  # plain decoding's rows are left out of the table
+        ]
+        (out / "eval" / f"run-2-step-{step}.json").write_text(json.dumps({"summary": summary}))
+    table = tau_curve.report(argparse.Namespace(out=out)).splitlines()
+    assert table[2:] == [
+        "| 2 | 500 | 200 | 3.2 | 20 | 1.12 | 1.08 | 1.10 |",
+        "| 2 | 500 | 400 | 6.4 | 40 | 1.22 | 1.18 | 1.20 |",
+    ]
