@@ -51,17 +51,12 @@ def collate(examples: list[dict], max_length: int) -> dict:
         "attention_mask": None if min(lengths) == seq_len else attention_mask,
         "context_features": None,
     }
-    if all("context_features" in example for example in examples):
-        first = examples[0]["context_features"]
-        features = first.new_zeros(batch_size, seq_len, first.shape[-1])
-        for i, (example, length) in enumerate(zip(examples, lengths)):
-            features[i, :length] = example["context_features"][:length]
-        batch["context_features"] = features
     if all("target_ids" in example for example in examples):  # the target's choices, cached by `dflash features`
         batch["target_ids"] = input_ids.clone()
         for i, (example, length) in enumerate(zip(examples, lengths)):
             batch["target_ids"][i, :length] = example["target_ids"][:length]
-    for name in ("target_top_ids", "target_top_logprobs"):  # `dflash features --top-k`; padding is never labelled
+    # Per-position vectors cached by `dflash features` (the top tokens with --top-k); padding is zeros, never labelled.
+    for name in ("context_features", "target_top_ids", "target_top_logprobs"):
         if all(name in example for example in examples):
             first = examples[0][name]
             batch[name] = first.new_zeros(batch_size, seq_len, first.shape[-1])

@@ -52,6 +52,7 @@ def cache_context_features(
         "source": str(Path(data_dir).resolve()),
         "target_choices": True,  # every shard also stores `target_ids`
         "target_top_k": int(top_k),
+        "shard_sizes": {},  # examples per finished shard, so that training need not load them to count
     }
     info_path = out_dir / FEATURES_INFO
     if info_path.exists():
@@ -74,7 +75,6 @@ def cache_context_features(
                 "--out directory, or delete this one."
             )
         info["shard_sizes"] = previous.get("shard_sizes", {})
-    info.setdefault("shard_sizes", {})  # examples per finished shard, so that training need not load them to count
     info_path.write_text(json.dumps(info, indent=1))
     device = next(target.parameters()).device
     shards = list_shards(data_dir)
