@@ -584,3 +584,49 @@ def test_features_record_shard_sizes_and_training_trusts_only_unchanged_files(tm
     records = torch.load(shards[0], weights_only=True)
     torch.save(records[:2], shards[0])  # the file changed after it was recorded: count it again
     assert features_module.shard_sizes(out, shards) == [2, 3] and loaded == ["shard-00000.pt"]
+
+
+def test_init_drafter_fine_tunes_a_trained_drafter_and_keeps_its_shape(tmp_path):
+    target = tiny_target()
+    write_shards(tmp_path / "data", target, num_examples=10, per_shard=5)
+    first = dict(max_steps=2, save_every=100, draft_vocab_size=64, mask_token_id=3)
+    train(small_config(tmp_path, tmp_path / "data", tmp_path / "first", **first), target)
+    trained = DFlashDraftModel.from_pretrained(tmp_path / "first")
+
+    # Other data: a drafter trained from scratch on it would get another draft vocabulary; the fine-tuned one keeps
+    # the trained drafter's. At lr 0 fine-tuning changes no weight, so every weight came from the trained drafter.
+    write_shards(tmp_path / "other", target, num_examples=10, per_shard=5, response_len=24)
+    unset = dict(num_layers=None, block_size=None, init_drafter=str(tmp_path / "first"), max_steps=2, lr=0.0)
+    summary = train(small_config(tmp_path, tmp_path / "other", tmp_path / "tuned", **unset), target)
+    assert summary["step"] == 2 and summary["resumed_from"] is None
+    tuned = DFlashDraftModel.from_pretrained(tmp_path / "tuned")
+    assert tuned.config.num_hidden_layers == 1 and tuned.config.block_size == BLOCK_SIZE
+    assert tuned.config.draft_vocab_size == 64 and tuned.config.mask_token_id == 3
+    state, trained_state = tuned.state_dict(), trained.state_dict()
+    assert state.keys() == trained_state.keys()
+    assert all(torch.equal(state[name], trained_state[name]) for name in state)
+
+    # Matching shape options are accepted; contradicting ones are refused with the fix, before any training.
+    same = dict(unset, num_layers=1, block_size=BLOCK_SIZE, draft_vocab_size=64, max_steps=1)
+    train(small_config(tmp_path, tmp_path / "other", tmp_path / "same", **same), target)
+    for option, value in [("num_layers", 2), ("block_size", 8), ("draft_vocab_size", 32), ("mask_token_id", 5)]:
+        config = small_config(
+            tmp_path, tmp_path / "other", tmp_path / f"bad-{option}", **dict(unset, **{option: value})
+        )
+        flag = "--" + option.replace("_", "-")
+        with pytest.raises(ValueError, match=f"{flag} {value}, but the drafter in .* Leave {flag} out"):
+            train(config, target)
+        assert not list((tmp_path / f"bad-{option}").glob("checkpoint-*"))
+    missing = small_config(tmp_path, tmp_path / "other", tmp_path / "none", init_drafter=str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match="no drafter there .*leave --init-drafter out"):
+        train(missing, target)
+
+
+def test_init_drafter_for_another_target_is_refused(tmp_path):
+    target = tiny_target()
+    write_shards(tmp_path / "data", target, num_examples=6, per_shard=6)
+    train(small_config(tmp_path, tmp_path / "data", tmp_path / "first", max_steps=1, save_every=100), target)
+    other = tiny_target(num_layers=6)
+    config = small_config(tmp_path, tmp_path / "data", tmp_path / "tuned", init_drafter=str(tmp_path / "first"))
+    with pytest.raises(ValueError, match="trained for a target with 4 layers, but the target has 6"):
+        train(config, other)

@@ -7,7 +7,7 @@ import torch
 
 from ..target_model import text_config
 from .features import cache_context_features
-from .loop import TrainingConfig, load_target, train
+from .loop import DRAFTER_DEFAULTS, TrainingConfig, load_target, train
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -21,12 +21,27 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     )
     parser.add_argument("--output", required=True, help="checkpoints, final drafter, log.jsonl; resumes from here")
     parser.add_argument("--val-data", default=None, help="shards of validation prompts (default: held-out training)")
-    parser.add_argument("--num-layers", type=int, default=d.num_layers, help="drafter layers")
-    parser.add_argument("--block-size", type=int, default=d.block_size, help="tokens per draft block, anchor included")
+    shape = DRAFTER_DEFAULTS
+    parser.add_argument(
+        "--init-drafter",
+        default=None,
+        help="fine-tune this trained drafter (its folder) instead of starting from random weights; it keeps its "
+        "shape and draft vocabulary, so the shape options below can be left out (default: train from scratch)",
+    )
+    parser.add_argument("--num-layers", type=int, default=None, help=f"drafter layers (default: {shape['num_layers']})")
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help=f"tokens per draft block, anchor included (default: {shape['block_size']})",
+    )
     parser.add_argument("--mask-token-id", type=int, default=None, help="default: last row of the target's embeddings")
     parser.add_argument("--target-layer-ids", type=int, nargs="+", default=None, help="default: DFlash's spread")
     parser.add_argument(
-        "--num-target-features", type=int, default=d.num_target_features, help="target layers feeding the drafter"
+        "--num-target-features",
+        type=int,
+        default=None,
+        help=f"target layers feeding the drafter (default: {shape['num_target_features']})",
     )
     parser.add_argument(
         "--draft-vocab-size",

@@ -14,11 +14,14 @@ from torch import nn
 
 from ..data import list_shards
 from ..modeling_dflash import DFlashDraftModel
+from ..target_model import check_drafter_fits_target
 from .batches import draft_vocabulary, training_batches, validation_prompts
 from .features import check_cached_features, shard_sizes
 from .loss import check_label_rule, dflash_loss
 from .validation import evaluate_acceptance_length
 
+# The shape of a drafter trained from scratch, where TrainingConfig leaves it unset.
+DRAFTER_DEFAULTS = {"num_layers": 5, "block_size": 16, "num_target_features": 5}
 CHECKPOINT_PREFIX = "checkpoint-"
 TRAINING_STATE = "training_state.pt"  # written last: a checkpoint without it is incomplete and ignored
 
@@ -29,13 +32,14 @@ class TrainingConfig:
     data: str = "data"  # directory of shard-XXXXX.parquet / .pt files
     output: str = "dflash-drafter"  # checkpoints, the final drafter and log.jsonl
     val_data: str | None = None  # validation prompts; default: the first num_val_prompts training examples (held out)
-    # drafter
-    num_layers: int = 5
-    block_size: int = 16
+    # drafter: its shape (None: the init_drafter's, else the DRAFTER_DEFAULTS), or the drafter to fine-tune
+    num_layers: int | None = None
+    block_size: int | None = None
     mask_token_id: int | None = None
     target_layer_ids: list[int] | None = None
-    num_target_features: int = 5
+    num_target_features: int | None = None
     draft_vocab_size: int | None = None  # reduced draft vocabulary: the most frequent response tokens of the data
+    init_drafter: str | None = None  # start from this trained drafter's weights (a folder) instead of random ones
     # loss
     num_anchors: int = 512
     gamma: float | None = None
@@ -73,6 +77,38 @@ def load_target(name_or_path: str, dtype: torch.dtype) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+
+
+def load_init_drafter(config: TrainingConfig, target: nn.Module) -> DFlashDraftModel:
+    """The drafter at `config.init_drafter`, in float32, to fine-tune: it keeps its own shape and draft vocabulary, so
+    a shape option of `config` that says otherwise is refused rather than silently ignored."""
+    folder = Path(config.init_drafter)
+    if not (folder / "config.json").is_file():
+        raise ValueError(
+            f"--init-drafter {folder}: no drafter there (no config.json). Pass the folder of a trained drafter, as "
+            "`dflash train` or `dflash export` writes it, or leave --init-drafter out to train from scratch."
+        )
+    drafter = DFlashDraftModel.from_pretrained(folder, dtype=torch.float32)
+    check_drafter_fits_target(drafter, target)
+    c = drafter.config
+    has = {
+        "num_layers": c.num_hidden_layers,
+        "block_size": c.block_size,
+        "num_target_features": len(c.target_layer_ids),
+        "target_layer_ids": list(c.target_layer_ids),
+        "mask_token_id": c.mask_token_id,
+        "draft_vocab_size": c.draft_vocab_size,
+    }
+    for name, value in has.items():
+        asked = getattr(config, name)
+        if asked is not None and asked != value:
+            option = "--" + name.replace("_", "-")
+            raise ValueError(
+                f"{option} {asked}, but the drafter in {folder} has {name} = {value}, and fine-tuning keeps the "
+                f"drafter's shape. Leave {option} out (or set it to {value}), or train from scratch without "
+                "--init-drafter."
+            )
+    return drafter
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
@@ -153,20 +189,22 @@ def train(config: TrainingConfig, target: nn.Module | None = None) -> dict:
     target.eval()
     target.to(device)
 
-    # Drafter: from the latest checkpoint, or freshly initialised (same seed on every process). Float32 weights.
+    # Drafter: from the latest checkpoint, else the drafter to fine-tune, else freshly initialised (same seed on every
+    # process). Float32 weights.
     checkpoint = latest_checkpoint(output_dir)
     torch.manual_seed(config.seed)
     if checkpoint is not None:
         drafter = DFlashDraftModel.from_pretrained(checkpoint, dtype=torch.float32)
+    elif config.init_drafter is not None:
+        drafter = load_init_drafter(config, target)
     else:
+        shape = {name: getattr(config, name) or default for name, default in DRAFTER_DEFAULTS.items()}
         drafter = DFlashDraftModel.from_target(
             target,
-            num_layers=config.num_layers,
-            block_size=config.block_size,
             mask_token_id=config.mask_token_id,
             target_layer_ids=config.target_layer_ids,
-            num_target_features=config.num_target_features,
             draft_vocab_size=config.draft_vocab_size,
+            **shape,
         )
         if config.draft_vocab_size is not None:  # the drafter's own mask token never enters its draft vocabulary
             c = drafter.config
