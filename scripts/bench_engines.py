@@ -22,7 +22,8 @@ import torch
 
 from transformers_dflash.data import load_prompts
 from transformers_dflash.data.engines import CTranslate2Engine, TransformersEngine
-from transformers_dflash.data.regeneration import _chat_token_ids, _eos_ids, _pad_id
+from transformers_dflash.data.regeneration import _eos_ids, _pad_id
+from transformers_dflash.runtime import chat_token_ids
 from transformers_dflash.smollm2 import load_smollm2
 
 
@@ -95,7 +96,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     model, tokenizer = load_smollm2(dtype=torch.float32)
     _, prompts = load_prompts("validation", limit=args.num_prompts)
-    prompt_ids = [_chat_token_ids(tokenizer, p, None, None, None) for p in prompts]
+    prompt_ids = [chat_token_ids(tokenizer, p) for p in prompts]
     lengths = sorted(len(p) for p in prompt_ids)
     print(
         f"{len(prompt_ids)} prompts, {lengths[0]}..{lengths[-1]} tokens (median {lengths[len(lengths) // 2]}), "

@@ -419,6 +419,13 @@ def test_encode_chat_passes_chat_template_kwargs():
     bare.chat_template = None
     with pytest.raises(ValueError, match="the tokenizer has no chat template"):
         runtime.encode_chat(bare, "why is the sky blue", chat_template_kwargs=NO_THINKING)
+    with pytest.raises(ValueError, match="a system prompt were given, but the tokenizer has no chat template"):
+        runtime.encode_chat(bare, "why is the sky blue", system_prompt="Be brief.")
+    # A template passed in serves a tokenizer without one, as `dflash regenerate --chat-template FILE` needs.
+    with_template = runtime.encode_chat(bare, "why is the sky blue", chat_template=tokenizer.chat_template)
+    assert with_template[0].tolist() == runtime.encode_chat(tokenizer, "why is the sky blue")[0].tolist()
+    system = runtime.chat_token_ids(tokenizer, "why is the sky blue", system_prompt="Be brief.")
+    assert len(system) > len(with_template[0])  # the system turn comes first
 
 
 def test_demo_chat_template_kwargs_reach_every_prompt(monkeypatch, capsys):

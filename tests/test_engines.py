@@ -16,7 +16,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from transformers_dflash import data
-from transformers_dflash.data import engines, regeneration
+from transformers_dflash.data import engines
+from transformers_dflash.runtime import chat_token_ids
 
 MAX_NEW = 6
 
@@ -30,7 +31,7 @@ def _one_thread():
 
 
 def chat_ids(tok, prompt):
-    return regeneration._chat_token_ids(tok, prompt, None, None, None)
+    return chat_token_ids(tok, prompt)
 
 
 def greedy_alone(model, tok, prompt_ids, max_new_tokens=MAX_NEW):

@@ -86,28 +86,68 @@ def add_chat_template_kwargs_argument(parser: argparse.ArgumentParser, what: str
     )
 
 
-def encode_chat(tokenizer, prompt: str, device=None, chat_template_kwargs: dict | None = None):
-    """`prompt` as one user turn of the tokenizer's chat template (plain text when it has none): [1, seq] ids.
+def chat_messages(prompt: str, system_prompt: str | None = None) -> list[dict]:
+    """`prompt` as one user turn, after a system turn when `system_prompt` is given."""
+    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return system + [{"role": "user", "content": prompt}]
 
-    `chat_template_kwargs` (e.g. `{"enable_thinking": False}`) go to `apply_chat_template` as template variables; a
-    tokenizer without a chat template cannot take them (ValueError rather than silently ignoring them)."""
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}],
-            add_generation_prompt=True,
-            tokenize=False,
-            **(chat_template_kwargs or {}),
-        )
+
+def chat_text(
+    tokenizer,
+    messages: list[dict],
+    chat_template: str | None = None,
+    chat_template_kwargs: dict | None = None,
+    add_generation_prompt: bool = True,
+) -> str:
+    """`messages` through the chat template (`chat_template` overrides the tokenizer's), as text."""
+    return tokenizer.apply_chat_template(
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        tokenize=False,
+        chat_template=chat_template,
+        **(chat_template_kwargs or {}),
+    )
+
+
+def encode_chat(
+    tokenizer,
+    prompt: str,
+    device=None,
+    chat_template_kwargs: dict | None = None,
+    system_prompt: str | None = None,
+    chat_template: str | None = None,
+):
+    """`prompt` as one user turn of the chat template (plain text when there is none): [1, seq] ids.
+
+    `chat_template` overrides the tokenizer's template; `chat_template_kwargs` (e.g. `{"enable_thinking": False}`)
+    go to it as template variables. Without a template, variables or a system prompt cannot be honoured (ValueError
+    rather than silently leaving them out)."""
+    if chat_template is not None or getattr(tokenizer, "chat_template", None):
+        messages = chat_messages(prompt, system_prompt)
+        text = chat_text(tokenizer, messages, chat_template, chat_template_kwargs)
         # The template already holds every special token it needs.
         input_ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
-    elif chat_template_kwargs:
+    elif chat_template_kwargs or system_prompt:
+        given = f"chat template variables {chat_template_kwargs}" if chat_template_kwargs else "a system prompt"
         raise ValueError(
-            f"chat template variables {chat_template_kwargs} were given, but the tokenizer has no chat template (its "
-            "prompts are encoded as plain text); set tokenizer.chat_template or leave the variables out"
+            f"{given} were given, but the tokenizer has no chat template (its prompts are encoded as plain text); set "
+            "tokenizer.chat_template or leave them out"
         )
     else:
         input_ids = tokenizer(prompt, return_tensors="pt").input_ids
     return input_ids.to(device) if device is not None else input_ids
+
+
+def chat_token_ids(
+    tokenizer,
+    prompt: str,
+    system_prompt: str | None = None,
+    chat_template: str | None = None,
+    chat_template_kwargs: dict | None = None,
+) -> list[int]:
+    """`encode_chat`'s ids of one prompt as a list (what the data engines take)."""
+    kwargs = dict(chat_template_kwargs=chat_template_kwargs, system_prompt=system_prompt, chat_template=chat_template)
+    return encode_chat(tokenizer, prompt, **kwargs)[0].tolist()
 
 
 def load_drafter(

@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ..runtime import chat_messages, chat_text
 from .engines import EngineError, OnBatch, response_ids
 from .prompts import load_sharegpt_answers
-from .regeneration import _chat_messages, _chat_text
 
 
 class AnswersEngine:
@@ -48,12 +48,10 @@ class AnswersEngine:
         `regenerate` formats prompts, and the answer's tokens are what the template puts after the prompt."""
         by_ids: dict[tuple[int, ...], list[int]] = {}
         for prompt, answer in answers.items():
-            messages = _chat_messages(prompt, system_prompt)
-            prompt_text = _chat_text(tokenizer, messages, chat_template, chat_template_kwargs)
+            messages = chat_messages(prompt, system_prompt)
+            prompt_text = chat_text(tokenizer, messages, chat_template, chat_template_kwargs)
             answered = messages + [{"role": "assistant", "content": answer}]
-            full_text = _chat_text(
-                tokenizer, answered, chat_template, chat_template_kwargs, add_generation_prompt=False
-            )
+            full_text = chat_text(tokenizer, answered, chat_template, chat_template_kwargs, add_generation_prompt=False)
             if not full_text.startswith(prompt_text):
                 raise EngineError(
                     "The chat template does not render an answered conversation as the prompt followed by the answer, "

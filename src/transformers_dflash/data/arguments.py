@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from ..runtime import add_chat_template_kwargs_argument
+from ..runtime import add_chat_template_kwargs_argument, chat_messages, chat_token_ids
 from .errors import DataError
 from .prompts import DEFAULT_NUM_COMPOSED, load_prompts
-from .regeneration import _chat_messages, _chat_token_ids, _eos_ids, default_engine, regenerate
+from .regeneration import _eos_ids, default_engine, regenerate
 from .shards import DEFAULT_SHARD_FORMAT, SHARD_FORMATS, SHARD_RE
 
 
@@ -281,7 +281,7 @@ def build_engine(args: argparse.Namespace, target: Any, tokenizer: Any, chat_pro
         chat_probe_ids=chat_probe_ids,
         # a --chat-template of the user's own is not the server's: compare chat formatting only
         # when both use the target's template
-        chat_probe_messages=None if args.chat_template else _chat_messages(PROBE_PROMPT, args.system_prompt),
+        chat_probe_messages=None if args.chat_template else chat_messages(PROBE_PROMPT, args.system_prompt),
         chat_template_kwargs=args.chat_template_kwargs or None,
     )
 
@@ -331,7 +331,7 @@ def run_regenerate(args: argparse.Namespace) -> int:
     else:
         target, tokenizer, name = _load_target(args.target, args.tokenizer, device, dtype)
     probe = (
-        _chat_token_ids(tokenizer, PROBE_PROMPT, args.system_prompt, chat_template, template_kwargs)
+        chat_token_ids(tokenizer, PROBE_PROMPT, args.system_prompt, chat_template, template_kwargs)
         if (chat_template or getattr(tokenizer, "chat_template", None))
         else None
     )

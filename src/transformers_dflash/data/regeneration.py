@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..runtime import chat_token_ids
 from .errors import DataError, NoChatTemplateError, ResumeMismatchError
 from .shards import (
     DEFAULT_SHARD_FORMAT,
@@ -57,35 +58,6 @@ def _context_limit(target: Any, tokenizer: Any) -> int | None:
     if isinstance(tok_max, int) and 0 < tok_max < 10_000_000:
         limits.append(tok_max)
     return min(limits) if limits else None
-
-
-def _chat_messages(prompt: str, system_prompt: str | None) -> list[dict]:
-    return ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
-        {"role": "user", "content": prompt}
-    ]
-
-
-def _chat_text(
-    tokenizer: Any,
-    messages: list[dict],
-    chat_template: str | None,
-    chat_template_kwargs: dict | None,
-    add_generation_prompt: bool = True,
-) -> str:
-    return tokenizer.apply_chat_template(
-        messages,
-        add_generation_prompt=add_generation_prompt,
-        tokenize=False,
-        chat_template=chat_template,
-        **(chat_template_kwargs or {}),
-    )
-
-
-def _chat_token_ids(
-    tokenizer: Any, prompt: str, system_prompt: str | None, chat_template: str | None, chat_template_kwargs: dict | None
-) -> list[int]:
-    text = _chat_text(tokenizer, _chat_messages(prompt, system_prompt), chat_template, chat_template_kwargs)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _generation_config(
@@ -450,7 +422,7 @@ def regenerate(
             if not prompts[i].strip():
                 skipped_empty += 1
                 continue
-            ids = _chat_token_ids(tokenizer, prompts[i], system_prompt, chat_template, chat_template_kwargs)
+            ids = chat_token_ids(tokenizer, prompts[i], system_prompt, chat_template, chat_template_kwargs)
             if limit is not None and len(ids) + max_new_tokens > limit:
                 skipped_long += 1
                 continue
