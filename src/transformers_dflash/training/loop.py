@@ -198,7 +198,10 @@ def train(config: TrainingConfig, target: nn.Module | None = None) -> dict:
     elif config.init_drafter is not None:
         drafter = load_init_drafter(config, target)
     else:
-        shape = {name: getattr(config, name) or default for name, default in DRAFTER_DEFAULTS.items()}
+        shape = {
+            name: default if getattr(config, name) is None else getattr(config, name)
+            for name, default in DRAFTER_DEFAULTS.items()
+        }
         drafter = DFlashDraftModel.from_target(
             target,
             mask_token_id=config.mask_token_id,
