@@ -92,6 +92,8 @@ def test_encoder_decoder_and_headless_targets():
 def test_bad_configs():
     with pytest.raises(ValueError, match="block_size must be at least 2"):
         DFlashConfig(block_size=1)
+    with pytest.raises(ValueError, match="num_hidden_layers must be at least 1"):
+        DFlashConfig(num_hidden_layers=0)
     with pytest.raises(ValueError, match="sliding_window is not set"):
         DFlashConfig(num_hidden_layers=1, layer_types=["sliding_attention"])
     with pytest.raises(ValueError, match="one entry"):

@@ -217,6 +217,8 @@ class DFlashConfig(PretrainedConfig):
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
     def _validate_dflash(self):
+        if self.num_hidden_layers < 1:
+            raise ValueError(f"num_hidden_layers must be at least 1 (a drafter layer), got {self.num_hidden_layers}.")
         if self.block_size < 2:
             raise ValueError(f"block_size must be at least 2 (an anchor plus one masked slot), got {self.block_size}.")
         if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
