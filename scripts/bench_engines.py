@@ -1,6 +1,7 @@
 """Tokens/s and greedy agreement of the `dflash regenerate` engines on SmolLM2-135M-Instruct, side by side in one run.
 
     PYTHONPATH=src python scripts/bench_engines.py [--repeats 2] [--num-prompts 64] [--max-new-tokens 256] [--threads 2]
+        [--server-url http://127.0.0.1:8080 --concurrency 16]   # e.g. llama.cpp's llama-server on the target's GGUF
 
 Every engine answers the same chat prompts (the first --num-prompts validation prompts: ShareGPT + composed), greedy.
 Engines run interleaved, --repeats rounds. Agreement is measured against the float32 target decoding each prompt alone
@@ -21,15 +22,15 @@ from pathlib import Path
 import torch
 
 from transformers_dflash.data import load_prompts
-from transformers_dflash.data.engines import CTranslate2Engine, TransformersEngine
+from transformers_dflash.data.engines import CTranslate2Engine, OpenAIEngine, TransformersEngine
 from transformers_dflash.data.regeneration import _eos_ids, _pad_id
 from transformers_dflash.runtime import chat_token_ids
 from transformers_dflash.smollm2 import load_smollm2
 
 
-def build_engines(model, tokenizer, threads: int) -> dict:
+def build_engines(model, tokenizer, threads: int, server_url: str | None = None, concurrency: int = 16) -> dict:
     eos, pad = _eos_ids(model, tokenizer), _pad_id(tokenizer, _eos_ids(model, tokenizer))
-    return {
+    engines = {
         "reference: transformers batch 1": TransformersEngine(model, eos, pad, batch_size=1),
         "transformers batch 64, arbitrary order": TransformersEngine(
             model, eos, pad, batch_size=64, pad_fraction=float("inf")
@@ -42,6 +43,11 @@ def build_engines(model, tokenizer, threads: int) -> dict:
             model, tokenizer, eos, compute_type="int8", batch_size=32, threads=threads
         ),
     }
+    if server_url:  # e.g. llama.cpp's llama-server on the target's GGUF; its tokenizer is checked first
+        server = OpenAIEngine(server_url, tokenizer, eos, concurrency=concurrency)
+        server.check_server()
+        engines[f"server {server_url}, {concurrency} requests in flight"] = server
+    return engines
 
 
 def agreement(outputs: list[list[int]], reference: list[list[int]]) -> tuple[float, float]:
@@ -90,6 +96,8 @@ def main() -> int:
         default=["reference", "batch 64"],
         help="engines (substrings) timed in the first round only (the slow ones)",
     )
+    parser.add_argument("--server-url", default=None, help="also time an OpenAI-compatible server serving the target")
+    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight to --server-url")
     parser.add_argument("--json", default=None, help="also write the raw timings here")
     args = parser.parse_args()
 
@@ -105,7 +113,9 @@ def main() -> int:
         flush=True,
     )
     engines = {
-        k: v for k, v in build_engines(model, tokenizer, args.threads).items() if not any(s in k for s in args.skip)
+        k: v
+        for k, v in build_engines(model, tokenizer, args.threads, args.server_url, args.concurrency).items()
+        if not any(s in k for s in args.skip)
     }
     for engine in engines.values():  # warm-up (first-call allocations, thread pools)
         engine.generate(prompt_ids[:2], 4)

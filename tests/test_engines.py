@@ -209,7 +209,9 @@ def test_ctranslate2_missing_gives_install_hint(monkeypatch, tokenizer, tmp_path
 class TinyServer:
     """An OpenAI-compatible server on 127.0.0.1 answering /v1/completions with a tiny transformers model (greedy,
     one prompt at a time), plus /v1/models and vLLM-style /tokenize. `fail(body)` decides which completion requests
-    get an HTTP 500; `token_ids=False` answers with text only (the stop token left out, like real servers)."""
+    get an HTTP 500; `token_ids=False` answers with text only (the stop token left out, like real servers);
+    `token_ids="logprobs"` too, but names the ids in `logprobs.content` when asked for `logprobs`, and
+    `tokenize="content"` reads only the `content` of a /tokenize request (both as llama.cpp's server does)."""
 
     def __init__(self, model, tok, *, fail=None, token_ids=True, tokenize=True, name="tiny"):
         self.model, self.tok, self.fail, self.token_ids, self.tokenize, self.name = (
@@ -268,6 +270,8 @@ class TinyServer:
         self.thread.join(timeout=10)
 
     def tokenize_body(self, body):
+        if self.tokenize == "content":  # llama.cpp: only `content` is read, a conversation gives no tokens
+            return {"tokens": self.tok(body.get("content", ""), add_special_tokens=False)["input_ids"]}
         if "messages" in body:
             text = self.tok.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=False)
         else:
@@ -285,10 +289,14 @@ class TinyServer:
             out = greedy_alone(self.model, self.tok, ids, body["max_tokens"])
         stopped = out[-1] == self.tok.eos_token_id
         choice = {"index": 0, "finish_reason": "stop" if stopped else "length"}
-        if self.token_ids:
+        if self.token_ids is True:
             choice.update(token_ids=out, text=self.tok.decode(out))
         else:
-            choice["text"] = self.tok.decode(out[:-1] if stopped else out)
+            sent = out[:-1] if stopped else out
+            choice["text"] = self.tok.decode(sent)
+            if self.token_ids == "logprobs" and body.get("logprobs"):
+                content = [{"id": t, "token": self.tok.decode([t]), "logprob": 0.0} for t in sent]
+                choice["logprobs"] = {"content": content}
         return 200, {"choices": [choice], "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out)}}
 
 
@@ -326,6 +334,15 @@ def test_openai_text_only_server_is_retokenized(target, tokenizer):
         out = engine.generate(prompts, MAX_NEW)
     assert out == [greedy_alone(target, tokenizer, p) for p in prompts]  # EOS put back where the server stopped
     assert engine.response_ids_source == "text" and engine.runtime()["response_ids"] == "text"
+
+
+def test_openai_server_naming_ids_in_logprobs_keeps_exact_ids(target, tokenizer):
+    prompts = [chat_ids(tokenizer, p) for p in PROMPTS[:5]]
+    with TinyServer(target, tokenizer, token_ids="logprobs", tokenize="content") as server:  # as llama.cpp's server
+        engine, _ = openai_engine(server.url, tokenizer)
+        out = engine.generate(prompts, MAX_NEW)
+    assert out == [greedy_alone(target, tokenizer, p) for p in prompts]
+    assert engine.logprob_ids and engine.response_ids_source == "logprob_ids"
 
 
 def test_openai_regenerate_matches_transformers_engine(target, tokenizer, tmp_path):
@@ -402,7 +419,7 @@ def test_openai_always_failing_keeps_finished_shards(target, tokenizer, tmp_path
             target, tokenizer, PROMPTS, out, max_new_tokens=MAX_NEW, shard_size=4, progress=False, engine=engine
         )
     assert manifest["complete"] and (out / "shard-00000.parquet").read_bytes() == first
-    assert server.completions == len(PROMPTS) - 4 + 2  # shards 1 and 2, and the two probes
+    assert server.completions == len(PROMPTS) - 4 + 3  # shards 1 and 2, two tokenizer probes and the token-id probe
 
 
 def _other_tokenizer():

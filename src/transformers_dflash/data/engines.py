@@ -566,6 +566,7 @@ class OpenAIEngine:
         self.chat_template_kwargs = chat_template_kwargs
         self.sleep = sleep
         self.response_ids_source: str | None = None
+        self.logprob_ids = False  # ask for `logprobs: 1` to read token ids from them (llama.cpp); set by check_server
         self.checked = False
         self._lock = threading.Lock()
 
@@ -665,7 +666,8 @@ class OpenAIEngine:
         return None
 
     def _server_chat_tokenize(self, messages: list[dict]) -> list[int] | None:
-        """The server's chat-formatted token ids for `messages` (vLLM's /tokenize with messages), or None."""
+        """The server's chat-formatted token ids for `messages` (vLLM's /tokenize with messages), or None. No tokens
+        for a conversation mean the server read no messages (llama.cpp's /tokenize takes `content` only): None."""
         body = {"model": self.model, "messages": messages, "add_generation_prompt": True, "add_special_tokens": False}
         if self.chat_template_kwargs:
             body["chat_template_kwargs"] = self.chat_template_kwargs
@@ -674,7 +676,7 @@ class OpenAIEngine:
         except _HTTPFailure:
             return None
         tokens = answer.get("tokens")
-        if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens):
+        if isinstance(tokens, list) and tokens and all(isinstance(t, int) for t in tokens):
             return tokens
         return None
 
@@ -729,6 +731,7 @@ class OpenAIEngine:
                     "itself (with its own chat template), or pass the server's template with --chat-template if it "
                     "is the one the target should answer in."
                 )
+        self._find_token_ids()
         if not compared:
             raise TokenizerMismatchError(
                 f"The server at {self.url} reports neither /tokenize results nor usage.prompt_tokens, so it cannot be "
@@ -736,6 +739,21 @@ class OpenAIEngine:
                 "llama.cpp's server and TGI do)."
             )
         self.checked = True
+
+    def _find_token_ids(self) -> None:
+        """Servers that return no token ids with the completion may still name them in its log-probabilities
+        (llama.cpp's OpenAI endpoint): ask for those when the first probe has no ids, so that responses keep their
+        exact ids rather than a re-tokenization of their text."""
+        ids = list(self.tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"])
+        probe = ids if self.prompt_format == "ids" else PROBE_TEXT
+        for logprob_ids in (False, True):
+            self.logprob_ids = logprob_ids
+            answer = self._request("POST", "/v1/completions", self._completion_body(probe, 2))
+            choice = (answer.get("choices") or [{}])[0]
+            if isinstance(choice, dict) and (choice.get("text") is not None or choice.get("logprobs")):
+                if self._choice_token_ids(choice)[1] != "text":
+                    return
+        self.logprob_ids = False  # text only: generate() re-tokenizes it and says so
 
     def _mismatch(self, text: str, detail: str) -> TokenizerMismatchError:
         return TokenizerMismatchError(
@@ -764,6 +782,7 @@ class OpenAIEngine:
             "stop_token_ids": self.eos_token_ids,
             "skip_special_tokens": False,
             "add_special_tokens": False,
+            **({"logprobs": 1} if self.logprob_ids else {}),
         }
 
     def _choice_token_ids(self, choice: dict) -> tuple[list[int], str]:
@@ -780,6 +799,13 @@ class OpenAIEngine:
             and all(isinstance(s, str) and _TOKEN_ID_STRING.match(s) for s in strings)
         ):
             return [int(_TOKEN_ID_STRING.match(s).group(1)) for s in strings], "token_id_strings"
+        entries = (choice.get("logprobs") or {}).get("content")  # llama.cpp: one {"id", "token", ...} per token
+        if (
+            isinstance(entries, list)
+            and (entries or self.logprob_ids)  # asked for: an empty list is an answer that is only the stop token
+            and all(isinstance(e, dict) and type(e.get("id")) is int for e in entries)
+        ):
+            return [e["id"] for e in entries], "logprob_ids"
         text = choice.get("text")
         if not isinstance(text, str):
             raise ServerError(
