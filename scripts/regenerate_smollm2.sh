@@ -1,25 +1,53 @@
 #!/usr/bin/env bash
 # The long regeneration for the SmolLM2-135M-Instruct drafter (issue 13): ~34K training prompts (ShareGPT first turns
-# + composed prompts) answered by the target through CTranslate2, greedy, 256 new tokens at most, in the background at
-# the lowest priority. Rerun the same command after an interruption: finished shards are kept (it resumes).
+# + composed prompts) answered by the target, greedy, 256 new tokens at most, in the background at the lowest
+# priority. Rerun the same command after an interruption: finished shards are kept (it resumes).
 #
-# Usage: bash scripts/regenerate_smollm2.sh            (starts it in the background, prints the PID)
-# Settings (environment): OUT, LOG, PYTHON, THREADS, COMPUTE_TYPE, NUM_COMPOSED.
+# Usage: bash scripts/regenerate_smollm2.sh   (starts it in the background, prints the PID; the first llamacpp start
+#   waits for llama-server to build)
+# Settings (environment): ENGINE (llamacpp or ctranslate2), OUT, LOG, PYTHON, THREADS, COMPUTE_TYPE, NUM_COMPOSED,
+#   SKIP_PROMPTS (leave out the first N prompts: another run answered them), PORT (llama.cpp's server).
 # Progress: one line per finished shard (256 prompts) in $LOG, and $OUT/manifest.json (shards_done, totals).
+#
+# Engines (docs/data-engines.md): llamacpp = llama.cpp's server on the target's Q4_1 GGUF
+# (scripts/llama_server_smollm2.sh, started here when it is not running), measured 2.5-2.9x CTranslate2 float32 on
+# this CPU; its tokens are the target's own choice 98 % of the time and `dflash train`'s target labels mend the rest.
+# ctranslate2 = the target's exact greedy answers (float32), slower.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
-out=${OUT:-/work/dflash-data/regen-v2}
-log=${LOG:-/work/dflash-data/regen-v2.log}
+engine=${ENGINE:-llamacpp}
+out=${OUT:-/work/dflash-data/regen-$engine}
+log=${LOG:-$out.log}
 python=${PYTHON:-/work/main/.venv-tf5.24.0/bin/python}
 threads=${THREADS:-2}
-# float32: measured (scripts/bench_engines.py) to give the target's own greedy answers far more often than int8.
-compute_type=${COMPUTE_TYPE:-float32}
+port=${PORT:-8080}
 # 26000 composed + ~8.1K ShareGPT prompts = 33909 training prompts after dedupe and the validation hold-out.
 num_composed=${NUM_COMPOSED:-26000}
+skip=${SKIP_PROMPTS:-0}
 mkdir -p "$(dirname "$log")"
 cd "$repo"
-HF_HUB_OFFLINE=1 PYTHONPATH="$repo/src" nohup nice -n 19 "$python" -m transformers_dflash.cli regenerate \
-  --target smollm2 --prompts train --num-composed "$num_composed" --out "$out" \
-  --engine ctranslate2 --compute-type "$compute_type" --batch-size 32 --threads "$threads" \
-  --max-new-tokens 256 --shard-size 256 --no-progress >>"$log" 2>&1 &
+export HF_HUB_OFFLINE=1 PYTHONPATH="$repo/src"
+common=(--target smollm2 --prompts train --num-composed "$num_composed" --skip-prompts "$skip" --out "$out"
+  --max-new-tokens 256 --shard-size 256 --no-progress)
+case "$engine" in
+  llamacpp)
+    url="http://127.0.0.1:$port"
+    if ! "$python" -c "import urllib.request; urllib.request.urlopen('$url/v1/models', timeout=5)" 2>/dev/null; then
+      PORT=$port THREADS=$threads PYTHON=$python nohup nice -n 19 bash scripts/llama_server_smollm2.sh \
+        >>"$out.server.log" 2>&1 &
+      # the first start builds llama-server (minutes); wait until it answers
+      until "$python" -c "import urllib.request; urllib.request.urlopen('$url/v1/models', timeout=5)" 2>/dev/null; do
+        sleep 10
+      done
+    fi
+    nohup nice -n 19 "$python" -m transformers_dflash.cli regenerate "${common[@]}" \
+      --engine openai --server-url "$url" --concurrency 16 >>"$log" 2>&1 &
+    ;;
+  ctranslate2)
+    # float32: measured (scripts/bench_engines.py) to give the target's own greedy answers far more often than int8.
+    nohup nice -n 19 "$python" -m transformers_dflash.cli regenerate "${common[@]}" \
+      --engine ctranslate2 --compute-type "${COMPUTE_TYPE:-float32}" --batch-size 32 --threads "$threads" >>"$log" 2>&1 &
+    ;;
+  *) echo "ENGINE=$engine: use llamacpp or ctranslate2" >&2; exit 2 ;;
+esac
 echo "$!"

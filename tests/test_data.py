@@ -387,6 +387,23 @@ def test_cli_arguments_and_jsonl(target, tokenizer, tmp_path, capsys):
                 ["--target", str(tmp_path / "missing"), "--prompts", str(prompt_file), "--out", str(tmp_path / "o2")]
             )
         )
+    # --skip-prompts: the prompts after the first N, recorded in the source, so a resume must skip the same N
+    source, rest = data.load_prompts(str(prompt_file), skip=1, limit=1)
+    assert rest == ["write a poem\n\nred cat"] and source.endswith("[1:][:1]")
+    with pytest.raises(data.DataError, match="--skip-prompts 3 leaves none of the 3 prompts"):
+        data.load_prompts(str(prompt_file), skip=3)
+    with pytest.raises(data.DataError, match="use counts of prompts"):
+        data.load_prompts(str(prompt_file), skip=-1)
+    skipped = parser.parse_args(
+        ["--target", str(model_dir), "--prompts", str(prompt_file), "--out", str(tmp_path / "skipped")]
+        + ["--skip-prompts", "2", "--max-new-tokens", "4", "--no-progress", "--device", "cpu", "--dtype", "float32"]
+    )
+    assert data.run_regenerate(skipped) == 0
+    manifest = data.read_manifest(tmp_path / "skipped")
+    assert manifest["num_prompts"] == 1 and manifest["prompt_source"].endswith("[2:]")
+    skipped.skip_prompts = 1  # resuming with another skip would mix two prompt lists: refused
+    with pytest.raises(data.ResumeMismatchError, match="different prompts"):
+        data.run_regenerate(skipped)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "no usable field"}\n')
     with pytest.raises(data.DataError, match="prompt"):

@@ -38,6 +38,13 @@ def add_regenerate_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
     )
     parser.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     parser.add_argument(
+        "--skip-prompts",
+        type=int,
+        default=0,
+        help="leave out the first N prompts (e.g. those another run, with another engine, already answered; "
+        "--limit counts from there)",
+    )
+    parser.add_argument(
         "--num-composed", type=int, default=DEFAULT_NUM_COMPOSED, help="composed prompts in the train/validation pool"
     )
     parser.add_argument(
@@ -311,6 +318,7 @@ def run_regenerate(args: argparse.Namespace) -> int:
         num_composed=args.num_composed,
         use_sharegpt=False if args.no_sharegpt else None,
         limit=args.limit,
+        skip=args.skip_prompts,
     )
     engine_name = getattr(args, "engine", "transformers")
     if engine_name == "answers":  # only prompts that have a reply in the dataset (ShareGPT has some without)

@@ -360,10 +360,12 @@ def load_prompts(
     num_composed: int = DEFAULT_NUM_COMPOSED,
     use_sharegpt: bool | None = None,
     limit: int | None = None,
+    skip: int = 0,
 ) -> tuple[str, list[str]]:
     """Resolve a ``--prompts`` value: ``train``, ``validation``, ``mtbench``, ``humaneval`` or a JSONL path.
 
-    Returns ``(source description, prompts)``; `limit` keeps the first N.
+    Returns ``(source description, prompts)``; `skip` leaves out the first N (answered by another run), then `limit`
+    keeps the first N of the rest.
     """
     if spec in ("train", "validation"):
         splits = build_training_prompts(num_composed=num_composed, use_sharegpt=use_sharegpt, seed=seed)
@@ -380,6 +382,13 @@ def load_prompts(
         raise DataError(
             f"--prompts {spec!r}: expected 'train', 'validation', 'mtbench', 'humaneval' or the path of a JSONL file"
         )
+    if skip < 0 or (limit is not None and limit < 0):
+        raise DataError(f"--skip-prompts {skip} / --limit {limit}: use counts of prompts, 0 or more.")
+    if skip:
+        if skip >= len(prompts):
+            raise DataError(f"--skip-prompts {skip} leaves none of the {len(prompts)} prompts of {name}.")
+        prompts = prompts[skip:]
+        name += f"[{skip}:]"
     if limit is not None:
         prompts = prompts[:limit]
         name += f"[:{limit}]"
