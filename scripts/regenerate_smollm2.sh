@@ -40,8 +40,9 @@ case "$engine" in
         sleep 10
       done
     fi
+    # At nice 19 beside other work a request of 256 tokens can wait far longer than the default 600 s.
     nohup nice -n 19 "$python" -m transformers_dflash.cli regenerate "${common[@]}" \
-      --engine openai --server-url "$url" --concurrency 16 >>"$log" 2>&1 &
+      --engine openai --server-url "$url" --concurrency 16 --request-timeout 3600 >>"$log" 2>&1 &
     ;;
   ctranslate2)
     # float32: measured (scripts/bench_engines.py) to give the target's own greedy answers far more often than int8.
