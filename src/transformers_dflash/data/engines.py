@@ -680,14 +680,14 @@ class OpenAIEngine:
             return tokens
         return None
 
-    def _server_prompt_count(self, text: str) -> tuple[int | None, list[int] | None]:
-        """(prompt token count the server reports for `text`, its prompt token ids if it returns them)."""
+    def _server_prompt_count(self, text: str) -> tuple[int | None, list[int] | None, dict]:
+        """(prompt token count the server reports for `text`, its prompt token ids if it returns them, the choice)."""
         answer = self._request("POST", "/v1/completions", self._completion_body(text, 1))
         usage = answer.get("usage") or {}
         count = usage.get("prompt_tokens")
         choice = (answer.get("choices") or [{}])[0]
         ids = answer.get("prompt_token_ids") or choice.get("prompt_token_ids")
-        return (count if isinstance(count, int) else None), (ids if isinstance(ids, list) else None)
+        return (count if isinstance(count, int) else None), (ids if isinstance(ids, list) else None), choice
 
     def check_server(self) -> None:
         """Refuse a server whose tokenizer (or chat template, seen through the formatted probe) differs from ours."""
@@ -697,6 +697,7 @@ class OpenAIEngine:
         if self.chat_probe_ids is not None:
             probes.append(self.tokenizer.decode(self.chat_probe_ids, skip_special_tokens=False))
         compared = 0
+        probe_choices = []
         for text in probes:
             ours = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
             theirs = self._server_tokenize(text)
@@ -708,7 +709,8 @@ class OpenAIEngine:
                         f"its /tokenize gives {len(theirs)} tokens {theirs[:12]}..., the "
                         f"target's tokenizer {len(ours)} tokens {ours[:12]}...",
                     )
-            count, ids = self._server_prompt_count(text)
+            count, ids, choice = self._server_prompt_count(text)
+            probe_choices.append(choice)
             if ids is not None:
                 compared += 1
                 if list(ids) != ours:
@@ -731,29 +733,30 @@ class OpenAIEngine:
                     "itself (with its own chat template), or pass the server's template with --chat-template if it "
                     "is the one the target should answer in."
                 )
-        self._find_token_ids()
         if not compared:
             raise TokenizerMismatchError(
                 f"The server at {self.url} reports neither /tokenize results nor usage.prompt_tokens, so it cannot be "
                 "checked that it uses the target's tokenizer. Use a server that reports them (vLLM, SGLang, "
                 "llama.cpp's server and TGI do)."
             )
+        self._find_token_ids(probe_choices[0])
         self.checked = True
 
-    def _find_token_ids(self) -> None:
-        """Servers that return no token ids with the completion may still name them in its log-probabilities
-        (llama.cpp's OpenAI endpoint): ask for those when the first probe has no ids, so that responses keep their
-        exact ids rather than a re-tokenization of their text."""
-        ids = list(self.tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"])
-        probe = ids if self.prompt_format == "ids" else PROBE_TEXT
-        for logprob_ids in (False, True):
-            self.logprob_ids = logprob_ids
-            answer = self._request("POST", "/v1/completions", self._completion_body(probe, 2))
-            choice = (answer.get("choices") or [{}])[0]
-            if isinstance(choice, dict) and (choice.get("text") is not None or choice.get("logprobs")):
-                if self._choice_token_ids(choice)[1] != "text":
-                    return
-        self.logprob_ids = False  # text only: generate() re-tokenizes it and says so
+    def _find_token_ids(self, probe_choice: dict) -> None:
+        """Servers that return no token ids with the completion (`probe_choice`, the answer to the first probe) may
+        still name them in its log-probabilities (llama.cpp's OpenAI endpoint): ask for those once more, and keep
+        asking if they come back, so that responses keep their exact ids rather than a re-tokenization of their
+        text."""
+        if self._names_token_ids(probe_choice):
+            return
+        self.logprob_ids = True
+        answer = self._request("POST", "/v1/completions", self._completion_body(PROBE_TEXT, 2))
+        self.logprob_ids = self._names_token_ids((answer.get("choices") or [{}])[0])
+        # False: text only; generate() re-tokenizes it and says so
+
+    def _names_token_ids(self, choice) -> bool:
+        has_answer = isinstance(choice, dict) and (choice.get("text") is not None or choice.get("logprobs"))
+        return bool(has_answer) and self._choice_token_ids(choice)[1] != "text"
 
     def _mismatch(self, text: str, detail: str) -> TokenizerMismatchError:
         return TokenizerMismatchError(
