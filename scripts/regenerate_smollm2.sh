@@ -32,11 +32,14 @@ common=(--target smollm2 --prompts train --num-composed "$num_composed" --skip-p
 case "$engine" in
   llamacpp)
     url="http://127.0.0.1:$port"
-    if ! "$python" -c "import urllib.request; urllib.request.urlopen('$url/v1/models', timeout=5)" 2>/dev/null; then
+    server_answers() { "$python" -c "import urllib.request; urllib.request.urlopen('$url/v1/models', timeout=5)" 2>/dev/null; }
+    if ! server_answers; then
       PORT=$port THREADS=$threads PYTHON=$python nohup nice -n 19 bash scripts/llama_server_smollm2.sh \
         >>"$out.server.log" 2>&1 &
-      # the first start builds llama-server (minutes); wait until it answers
-      until "$python" -c "import urllib.request; urllib.request.urlopen('$url/v1/models', timeout=5)" 2>/dev/null; do
+      server=$!
+      # the first start builds llama-server (minutes); wait until it answers, or stop if it failed
+      until server_answers; do
+        kill -0 "$server" 2>/dev/null || { echo "llama-server did not start: see $out.server.log" >&2; exit 1; }
         sleep 10
       done
     fi
