@@ -186,3 +186,53 @@ def test_features_leave_out_examples_without_a_response_token(tmp_path):
     kept = torch.load(out / "shard-00000.pt", weights_only=True)
     assert len(kept) == 5 and all(r["loss_mask"].any() for r in kept)
     assert json.loads((out / "features.json").read_text())["skipped_no_response"] == 1
+
+
+def test_features_stop_on_a_full_disk_and_keep_finished_shards(tmp_path, monkeypatch):
+    from transformers_dflash.data import DiskFullError
+    from transformers_dflash.training import features as features_module
+
+    target = tiny_target()
+    write_shards(tmp_path / "data", target, num_examples=8, per_shard=4)
+    out = tmp_path / "features"
+    real_usage, real_save = features_module.shutil.disk_usage, features_module.torch.save
+    free = {"bytes": 10**12}
+    monkeypatch.setattr(
+        features_module.shutil, "disk_usage", lambda path: real_usage(path)._replace(free=free["bytes"])
+    )
+
+    def save(records, path):  # torch.save says "file write failed" as a RuntimeError when the disk fills up
+        real_save(records, path)
+        if path.name.startswith("shard-00001"):
+            free["bytes"] = 0
+            raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 4096 vs 512")
+
+    monkeypatch.setattr(features_module.torch, "save", save)
+    with pytest.raises(DiskFullError, match=r"filled up while writing shard-00001.pt.*1 features shard.*rerun"):
+        cache_context_features(target, tmp_path / "data", out, [1, 2], progress=False)
+    assert sorted(p.name for p in out.iterdir()) == ["features.json", "shard-00000.pt"]  # no .tmp left behind
+
+    # Short of space before a shard: refused before the target's pass, with what it needs
+    monkeypatch.setattr(features_module.torch, "save", real_save)
+    free["bytes"] = 1000
+    with pytest.raises(DiskFullError, match=r"shard-00001.pt needs about 0.00 GB and .* has 0.00 GB free"):
+        cache_context_features(target, tmp_path / "data", out, [1, 2], progress=False)
+    free["bytes"] = 10**12
+    cache_context_features(target, tmp_path / "data", out, [1, 2], progress=False)
+    assert len(torch.load(out / "shard-00001.pt", weights_only=True)) == 4
+
+
+def test_features_report_a_full_disk_as_an_error_of_the_command(tmp_path, monkeypatch, capsys):
+    from transformers_dflash.cli import main
+    from transformers_dflash.training import features as features_module
+
+    target = tiny_target()
+    write_shards(tmp_path / "data", target, num_examples=4, per_shard=4)
+    monkeypatch.setattr("transformers_dflash.training.arguments.load_target", lambda name, dtype: target)
+    real_usage = features_module.shutil.disk_usage
+    monkeypatch.setattr(features_module.shutil, "disk_usage", lambda path: real_usage(path)._replace(free=0))
+    argv = ["features", "--target", "tiny", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "features")]
+    argv += ["--target-layer-ids", "1", "2"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "dflash features: error: [Errno 28] shard-00000.pt needs about" in err and "Traceback" not in err

@@ -6,14 +6,16 @@ Training can label with it instead of the text (`loss.py`, `labels="target"`), s
 little differently from the target (int8, another kernel, off-the-shelf text) never teaches the drafter a token the
 verifier would reject."""
 
+import errno
 import json
+import shutil
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..configuration_dflash import text_config
-from ..data import list_shards, load_shard
+from ..data import DiskFullError, list_shards, load_shard
 from .batches import collate
 
 FEATURES_INFO = "features.json"
@@ -77,6 +79,9 @@ def cache_context_features(
         info["shard_sizes"] = previous.get("shard_sizes", {})
     info_path.write_text(json.dumps(info, indent=1))
     device = next(target.parameters()).device
+    # bytes per stored position: the features, then input_ids, loss_mask and target_ids, then the top tokens
+    position_bytes = len(target_layer_ids) * text_config(target.config).hidden_size * dtype.itemsize + 17
+    position_bytes += top_k * 6
     shards = list_shards(data_dir)
     bar = tqdm(total=len(shards), desc="features", unit="shard", disable=not progress)
     agreed = labelled = 0  # response tokens (of the shards computed in this run) that equal the target's choice
@@ -87,6 +92,14 @@ def cache_context_features(
             bar.update(1)
             continue
         examples = load_shard(shard)
+        finished = len(list(out_dir.glob("shard-*.pt")))
+        needed = position_bytes * sum(min(len(e["input_ids"]), max_length) for e in examples)
+        free = shutil.disk_usage(out_dir).free
+        if free < needed:  # refuse before the target's pass over the shard, not after it
+            message = (
+                f"{destination.name} needs about {needed / 1e9:.2f} GB and {out_dir} has {free / 1e9:.2f} GB free."
+            )
+            raise _disk_full(message, finished)
         order = sorted(range(len(examples)), key=lambda i: -len(examples[i]["input_ids"]))
         records: list[dict | None] = [None] * len(examples)
         for start in range(0, len(order), batch_size):
@@ -118,8 +131,16 @@ def cache_context_features(
                 labelled += int(response.sum())
         tmp = destination.with_name(destination.name + ".tmp")
         records = [record for record in records if record is not None]
-        torch.save(records, tmp)
-        tmp.replace(destination)  # atomic: a shard is either whole or absent
+        try:
+            torch.save(records, tmp)
+            tmp.replace(destination)  # atomic: a shard is either whole or absent
+        except (OSError, RuntimeError) as error:  # torch.save reports a full disk as a RuntimeError
+            tmp.unlink(missing_ok=True)
+            if isinstance(error, OSError) and error.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            if shutil.disk_usage(out_dir).free >= needed:
+                raise
+            raise _disk_full(f"The disk filled up while writing {destination.name}.", finished) from error
         info["shard_sizes"][destination.name] = {"examples": len(records), "bytes": destination.stat().st_size}
         info_path.write_text(json.dumps(info, indent=1))
         bar.update(1)
@@ -130,6 +151,14 @@ def cache_context_features(
         info["skipped_no_response"] = skipped
         info_path.write_text(json.dumps(info, indent=1))
     return out_dir
+
+
+def _disk_full(what: str, finished: int) -> DiskFullError:
+    return DiskFullError(
+        errno.ENOSPC,
+        f"{what} The {finished} features shard(s) finished so far are intact. Free some space (or use --out on a "
+        "bigger disk) and rerun the same command to resume.",
+    )
 
 
 def check_cached_features(
