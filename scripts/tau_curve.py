@@ -1,6 +1,6 @@
 """Held-out tau against the number of training samples and the training time (issue 13, item 4).
 
-For each data size (a number of feature shards, the first K of `--features`), train a drafter with one fixed recipe,
+For each data size (a number of feature shards, the first K of the `--features` folders), train a drafter with one fixed recipe,
 keep a checkpoint at every step of `--eval-at`, and measure each checkpoint's acceptance length on held-out
 MT-Bench and HumanEval prompts with `dflash bench`. Every stage resumes: a finished run or evaluation is kept, an
 interrupted training run continues from its last checkpoint. Two instances with different `--shards` can run side by
@@ -45,22 +45,29 @@ def dflash(*args: str, threads: int) -> float:
     return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-def subset(features: Path, out: Path, num_shards: int) -> Path:
-    """A data folder holding links to the first `num_shards` feature shards and their features.json."""
-    shards = sorted(features.glob("shard-*.pt"))
+def subset(features: list[Path], out: Path, num_shards: int) -> list[Path]:
+    """Data folders holding links to the first `num_shards` feature shards of the `features` folders (taken in the
+    order given) and their features.json: one folder per features folder that contributes a shard."""
+    shards = [(i, shard) for i, folder in enumerate(features) for shard in sorted(folder.glob("shard-*.pt"))]
     if len(shards) < num_shards:
-        raise SystemExit(f"{features} has {len(shards)} feature shards; --shards asks for {num_shards}.")
-    folder = out / f"data-{num_shards}"
-    folder.mkdir(parents=True, exist_ok=True)
-    for source in [*shards[:num_shards], features / "features.json"]:
-        link = folder / source.name
-        if not link.exists():
-            link.symlink_to(source.resolve())
-    return folder
+        raise SystemExit(
+            f"{' '.join(map(str, features))} hold {len(shards)} feature shards; --shards asks for {num_shards}."
+        )
+    folders = []
+    for i, source in shards[:num_shards]:
+        folder = out / f"data-{num_shards}" / str(i) if len(features) > 1 else out / f"data-{num_shards}"
+        if folder not in folders:
+            folder.mkdir(parents=True, exist_ok=True)
+            folders.append(folder)
+        for target in (source, features[i] / "features.json"):
+            link = folder / target.name
+            if not link.exists():
+                link.symlink_to(target.resolve())
+    return folders
 
 
 def train_and_evaluate(args, num_shards: int) -> None:
-    data = subset(args.features, args.out, num_shards)
+    data = [str(folder) for folder in subset(args.features, args.out, num_shards)]
     run = args.out / f"run-{num_shards}"
     record_path = args.out / f"run-{num_shards}.json"
     record = json.loads(record_path.read_text()) if record_path.exists() else {"cpu_s": 0.0, "wall_s": 0.0}
@@ -68,7 +75,7 @@ def train_and_evaluate(args, num_shards: int) -> None:
         save_every = math.gcd(*args.eval_at)
         start = time.time()
         cpu = dflash(
-            "train", "--target", "smollm2", "--data", str(data), "--output", str(run), *RECIPE,
+            "train", "--target", "smollm2", "--data", *data, "--output", str(run), *RECIPE,
             "--max-steps", str(args.steps), "--save-every", str(save_every),
             "--keep-checkpoints", str(args.steps // save_every), "--labels", args.labels, *args.train_args,
             threads=args.threads,
@@ -131,7 +138,10 @@ def report(args) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--features", type=Path, required=True, help="a `dflash features` folder")
+    parser.add_argument(
+        "--features", type=Path, nargs="+", required=True,
+        help="`dflash features` folders; their shards in the order given (e.g. regenerated answers, then more)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, required=True, help="runs, evaluations and the report go here")
     parser.add_argument("--shards", type=int, nargs="+", default=[1, 2, 4], help="data sizes, in feature shards")
     parser.add_argument("--steps", type=int, default=400, help="optimizer steps per run (batch 8)")

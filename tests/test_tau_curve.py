@@ -19,18 +19,31 @@ def tau_curve():
     return module
 
 
+def _features(folder, num_shards):
+    folder.mkdir()
+    for i in range(num_shards):
+        (folder / f"shard-{i:05d}.pt").write_bytes(b"x")
+    (folder / "features.json").write_text("{}")
+    return folder
+
+
 def test_subset_links_the_first_shards(tau_curve, tmp_path):
-    features = tmp_path / "features"
-    features.mkdir()
-    for i in range(3):
-        (features / f"shard-{i:05d}.pt").write_bytes(b"x")
-    (features / "features.json").write_text("{}")
-    folder = tau_curve.subset(features, tmp_path / "curve", 2)
+    features = _features(tmp_path / "features", 3)
+    [folder] = tau_curve.subset([features], tmp_path / "curve", 2)
     assert sorted(p.name for p in folder.iterdir()) == ["features.json", "shard-00000.pt", "shard-00001.pt"]
     assert (folder / "shard-00001.pt").resolve() == (features / "shard-00001.pt").resolve()
-    assert tau_curve.subset(features, tmp_path / "curve", 2) == folder  # a rerun keeps the links
-    with pytest.raises(SystemExit, match="has 3 feature shards; --shards asks for 4"):
-        tau_curve.subset(features, tmp_path / "curve", 4)
+    assert tau_curve.subset([features], tmp_path / "curve", 2) == [folder]  # a rerun keeps the links
+    with pytest.raises(SystemExit, match="hold 3 feature shards; --shards asks for 4"):
+        tau_curve.subset([features], tmp_path / "curve", 4)
+
+
+def test_subset_takes_the_folders_in_order(tau_curve, tmp_path):
+    first, second = _features(tmp_path / "regenerated", 2), _features(tmp_path / "replies", 3)
+    assert tau_curve.subset([first, second], tmp_path / "curve", 1) == [tmp_path / "curve" / "data-1" / "0"]
+    folders = tau_curve.subset([first, second], tmp_path / "curve", 4)
+    assert folders == [tmp_path / "curve" / "data-4" / "0", tmp_path / "curve" / "data-4" / "1"]
+    assert sorted(p.name for p in folders[1].iterdir()) == ["features.json", "shard-00000.pt", "shard-00001.pt"]
+    assert (folders[1] / "features.json").resolve() == (second / "features.json").resolve()
 
 
 def test_report_tabulates_finished_evaluations(tau_curve, tmp_path):

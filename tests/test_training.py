@@ -5,6 +5,7 @@ import io
 import json
 import math
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from torch.nn import functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from transformers_dflash import DFlashCandidateGenerator, DFlashDraftModel
-from transformers_dflash.data import ShardCorruptedError, shard_to_parquet_bytes
+from transformers_dflash.data import DataError, ShardCorruptedError, shard_to_parquet_bytes
 from transformers_dflash.training import (
     TrainingConfig,
     add_train_arguments,
@@ -513,6 +514,38 @@ def test_parquet_and_pt_shards_train_identically(tmp_path):
     a = DFlashDraftModel.from_pretrained(tmp_path / "out-pt").state_dict()
     b = DFlashDraftModel.from_pretrained(tmp_path / "out-parquet").state_dict()
     assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_several_data_folders_train_as_one_dataset(tmp_path):
+    pytest.importorskip("pyarrow")
+    target = tiny_target()
+    write_shards(tmp_path / "all", target, num_examples=12, per_shard=4)
+    # the same examples in two folders: shards 0-1 as they are, shard 2 as the first shard of a parquet folder
+    (tmp_path / "a").mkdir()
+    for name in ("shard-00000.pt", "shard-00001.pt"):
+        shutil.copy(tmp_path / "all" / name, tmp_path / "a" / name)
+    (tmp_path / "b").mkdir()
+    last = torch.load(tmp_path / "all" / "shard-00002.pt", weights_only=True)
+    (tmp_path / "b" / "shard-00000.parquet").write_bytes(shard_to_parquet_bytes(last))
+    both = [str(tmp_path / "a"), str(tmp_path / "b")]
+    assert len(list(iter_training_examples(both))) == 12
+    settings = dict(max_steps=3, save_every=100, draft_vocab_size=40)
+    one = train(small_config(tmp_path, tmp_path / "all", tmp_path / "one", **settings), target)
+    two = train(replace(small_config(tmp_path, tmp_path / "all", tmp_path / "two", **settings), data=both), target)
+    assert one["step"] == two["step"] == 3
+    a = DFlashDraftModel.from_pretrained(tmp_path / "one").state_dict()
+    b = DFlashDraftModel.from_pretrained(tmp_path / "two").state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)  # draft vocabulary included
+
+    # through the command line, and what is refused
+    args = add_train_arguments(argparse.ArgumentParser()).parse_args(["--data", *both, "--output", "x"])
+    assert args.data == both
+    with pytest.raises(ValueError, match="names .*a twice.*count double"):
+        train(replace(small_config(tmp_path, tmp_path / "a", tmp_path / "x"), data=[both[0], both[0] + "/."]), target)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="empty holds no shard-XXXXX.parquet or .pt files"):
+        train(replace(small_config(tmp_path, tmp_path / "a", tmp_path / "x"), data=[both[0], str(tmp_path / "empty")]))
+    assert not (tmp_path / "x").exists() or not list((tmp_path / "x").iterdir())
 
 
 def test_features_of_parquet_shards_resume(tmp_path, monkeypatch):

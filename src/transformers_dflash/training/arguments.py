@@ -17,7 +17,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument(
         "--data",
         required=True,
-        help="directory of shard-XXXXX.parquet or .pt files (format: see transformers_dflash.training)",
+        nargs="+",
+        help="folder of shard-XXXXX.parquet or .pt files (format: see transformers_dflash.training); several "
+        "folders are trained on as one dataset, e.g. regenerated answers beside off-the-shelf replies",
     )
     parser.add_argument("--output", required=True, help="checkpoints, final drafter, log.jsonl; resumes from here")
     parser.add_argument("--val-data", default=None, help="shards of validation prompts (default: held-out training)")
@@ -104,8 +106,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 def run_train(args: argparse.Namespace) -> dict:
     """`dflash train`: build a `TrainingConfig` from parsed `add_train_arguments` options and train."""
-    config = TrainingConfig(**{f.name: getattr(args, f.name) for f in fields(TrainingConfig) if hasattr(args, f.name)})
-    return train(config)
+    options = {f.name: getattr(args, f.name) for f in fields(TrainingConfig) if hasattr(args, f.name)}
+    if len(options["data"]) == 1:
+        options["data"] = options["data"][0]
+    return train(TrainingConfig(**options))
 
 
 def add_features_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -1,18 +1,50 @@
 """Training data: examples from the shards, shuffled epochs, collation into padded batches, the validation
 prompts and the draft vocabulary."""
 
+import os
 import random
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from ..data import list_shards, load_shard
+from ..data import DataError, list_shards, load_shard
 
 
-def iter_training_examples(data_dir: str | Path):
-    """Every example of `data_dir`, shard by shard in sorted order: dicts with `input_ids` and `loss_mask`."""
-    for path in list_shards(data_dir):
-        yield from load_shard(path)
+def data_folders(data: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
+    """The folders of `--data`: one, or several that are trained on as one dataset (in the order given)."""
+    folders = [Path(data)] if isinstance(data, (str, os.PathLike)) else [Path(folder) for folder in data]
+    if not folders:
+        raise ValueError("No --data folder given: name one or more folders of shards.")
+    seen = {}
+    for folder in folders:
+        if folder.resolve() in seen:
+            raise ValueError(
+                f"--data names {seen[folder.resolve()]} twice (as {folder} too): its examples would count double. "
+                "Name each folder once."
+            )
+        seen[folder.resolve()] = folder
+    return folders
+
+
+def training_shards(data: str | os.PathLike | Sequence[str | os.PathLike]) -> list[tuple[Path, list[Path]]]:
+    """Each folder of `data` with its shard files, in shard order; a folder without shards is refused."""
+    found = [(folder, list_shards(folder)) for folder in data_folders(data)]
+    for folder, shards in found:
+        if not shards:
+            raise DataError(
+                f"{folder} holds no shard-XXXXX.parquet or .pt files. Point --data at the --out folder of "
+                "`dflash regenerate` or `dflash features`."
+            )
+    return found
+
+
+def iter_training_examples(data: str | os.PathLike | Sequence[str | os.PathLike]):
+    """Every example of `data` (one folder or several), shard by shard in order: dicts with `input_ids` and
+    `loss_mask`."""
+    for _, shards in training_shards(data):
+        for path in shards:
+            yield from load_shard(path)
 
 
 def epoch_examples(shards: list[Path], shard_offsets: list[int], seed: int, skip_below: int = 0):
@@ -91,10 +123,10 @@ def training_batches(
         epoch, skip = epoch + 1, 0
 
 
-def validation_prompts(data_dir: str | Path, num_examples: int) -> list[torch.Tensor]:
-    """The prompts (tokens before the first response token) of the first `num_examples` examples of `data_dir`."""
+def validation_prompts(data, num_examples: int) -> list[torch.Tensor]:
+    """The prompts (tokens before the first response token) of the first `num_examples` examples of `data`."""
     prompts = []
-    for i, example in enumerate(iter_training_examples(data_dir)):
+    for i, example in enumerate(iter_training_examples(data)):
         if i == num_examples:
             break
         response = example["loss_mask"].nonzero()
@@ -103,15 +135,15 @@ def validation_prompts(data_dir: str | Path, num_examples: int) -> list[torch.Te
     return prompts
 
 
-def draft_vocabulary(data_dir: str | Path, size: int, vocab_size: int, exclude=()) -> torch.LongTensor:
-    """The `size` most frequent response tokens of the shards in `data_dir` (ties: lower id first), sorted by id.
+def draft_vocabulary(data, size: int, vocab_size: int, exclude=()) -> torch.LongTensor:
+    """The `size` most frequent response tokens of the shards in `data` (ties: lower id first), sorted by id.
 
     A reduced draft vocabulary (EAGLE-3's trick): the drafter scores only these rows of the LM head, which makes its
     step and its training several times cheaper, and loses only the drafts of rare tokens. `exclude` (e.g. the mask
     token) is never chosen. Tokens never seen in a response fill the remaining rows by id.
     """
     counts = torch.zeros(vocab_size, dtype=torch.float64)
-    for example in iter_training_examples(data_dir):
+    for example in iter_training_examples(data):
         response = example["input_ids"][example["loss_mask"].bool()]
         counts += torch.bincount(response, minlength=vocab_size)[:vocab_size].double()
     # Tie-break by id: subtract a tiny multiple of the id (counts are integers, so this never reorders them).

@@ -12,10 +12,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..data import list_shards
 from ..modeling_dflash import DFlashDraftModel
 from ..target_model import check_drafter_fits_target
-from .batches import draft_vocabulary, training_batches, validation_prompts
+from .batches import draft_vocabulary, training_batches, training_shards, validation_prompts
 from .features import check_cached_features, shard_sizes
 from .loss import check_label_rule, dflash_loss
 from .validation import evaluate_acceptance_length
@@ -29,7 +28,7 @@ TRAINING_STATE = "training_state.pt"  # written last: a checkpoint without it is
 @dataclass
 class TrainingConfig:
     target: str = "smollm2"  # a path / hub id for AutoModelForCausalLM, or "smollm2"
-    data: str = "data"  # directory of shard-XXXXX.parquet / .pt files
+    data: str | list[str] = "data"  # folder(s) of shard-XXXXX.parquet / .pt files; several are one dataset
     output: str = "dflash-drafter"  # checkpoints, the final drafter and log.jsonl
     val_data: str | None = None  # validation prompts; default: the first num_val_prompts training examples (held out)
     # drafter: its shape (None: the init_drafter's, else the DRAFTER_DEFAULTS), or the drafter to fine-tune
@@ -180,6 +179,8 @@ def train(config: TrainingConfig, target: nn.Module | None = None) -> dict:
             with open(log_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
 
+    folders = training_shards(config.data)  # refuse a bad --data before loading anything
+
     # Target: frozen.
     if target is None:
         names = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32}
@@ -215,14 +216,15 @@ def train(config: TrainingConfig, target: nn.Module | None = None) -> dict:
                 draft_vocabulary(config.data, c.draft_vocab_size, c.vocab_size, exclude=[c.mask_token_id])
             )
     check_label_rule(config.labels)
-    check_cached_features(config.data, drafter.config.target_layer_ids, config.labels, config.kl_weight)
+    for folder, _ in folders:
+        check_cached_features(folder, drafter.config.target_layer_ids, config.labels, config.kl_weight)
     drafter.float().train()
     if drafter.config._attn_implementation in (None, "flash_attention_2"):
         drafter.config._attn_implementation = "sdpa"  # FlashAttention-2 cannot express the packed-block mask
 
     # Data: the first num_val_prompts examples are held out for validation unless val_data is given.
-    shards = list_shards(config.data)
-    sizes = shard_sizes(config.data, shards)
+    shards = [shard for _, found in folders for shard in found]
+    sizes = [size for folder, found in folders for size in shard_sizes(folder, found)]
     shard_offsets = [sum(sizes[:i]) for i in range(len(shards))]
     held_out = 0 if config.val_data else config.num_val_prompts
     num_examples = sum(sizes) - held_out
