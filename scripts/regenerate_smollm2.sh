@@ -6,7 +6,8 @@
 # Usage: bash scripts/regenerate_smollm2.sh   (starts it in the background, prints the PID; the first llamacpp start
 #   waits for llama-server to build)
 # Settings (environment): ENGINE (llamacpp or ctranslate2), OUT, LOG, PYTHON, THREADS, COMPUTE_TYPE, NUM_COMPOSED,
-#   SKIP_PROMPTS (leave out the first N prompts: another run answered them), PORT (llama.cpp's server).
+#   SKIP_PROMPTS (leave out the first N prompts: another run answered them), PORT (llama.cpp's server),
+#   FEATURES (a folder: run `dflash features --follow` on the shards as they land, log in $FEATURES.log).
 # Progress: one line per finished shard (256 prompts) in $LOG, and $OUT/manifest.json (shards_done, totals).
 #
 # Engines (docs/data-engines.md): llamacpp = llama.cpp's server on the target's Q4_1 GGUF
@@ -55,3 +56,9 @@ case "$engine" in
   *) echo "ENGINE=$engine: use llamacpp or ctranslate2" >&2; exit 2 ;;
 esac
 echo "$!"
+# FEATURES=DIR: also cache the target's features of each shard as it lands (`dflash features --follow`), beside it.
+if [ -n "${FEATURES:-}" ]; then
+  nohup nice -n 19 "$python" -m transformers_dflash.cli features --target smollm2 --data "$out" --out "$FEATURES" \
+    --max-length 1024 --threads "$threads" --follow >>"$FEATURES.log" 2>&1 &
+  echo "$!"
+fi

@@ -236,3 +236,33 @@ def test_features_report_a_full_disk_as_an_error_of_the_command(tmp_path, monkey
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "dflash features: error: [Errno 28] shard-00000.pt needs about" in err and "Traceback" not in err
+
+
+def test_features_follow_a_regeneration_until_it_is_complete(tmp_path, monkeypatch):
+    from transformers_dflash.training import features as features_module
+
+    target = tiny_target()
+    write_shards(tmp_path / "all", target, num_examples=8, per_shard=4)
+    data = tmp_path / "data"
+    data.mkdir()
+    (tmp_path / "all" / "shard-00000.pt").rename(data / "shard-00000.pt")
+    manifest = {"format": "dflash-regenerated", "num_shards": 2, "complete": False}
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    waits = []
+
+    def sleep(seconds):  # the regeneration writes its last shard, then marks itself complete
+        waits.append(seconds)
+        assert (tmp_path / "features" / "shard-00000.pt").exists()
+        (tmp_path / "all" / "shard-00001.pt").rename(data / "shard-00001.pt")
+        (data / "manifest.json").write_text(json.dumps(manifest | {"complete": True}))
+
+    monkeypatch.setattr(features_module.time, "sleep", sleep)
+    out = cache_context_features(
+        target, data, tmp_path / "features", [1, 2], progress=False, follow=True, poll_seconds=5
+    )
+    assert waits == [5]
+    assert [len(torch.load(out / f"shard-0000{i}.pt", weights_only=True)) for i in (0, 1)] == [4, 4]
+    # finished: a rerun has nothing to wait for
+    assert cache_context_features(target, data, out, [1, 2], progress=False, follow=True) == out and waits == [5]
+    with pytest.raises(ValueError, match="--follow waits .* no manifest.json of a regeneration"):
+        cache_context_features(target, tmp_path / "all", tmp_path / "f2", [1, 2], progress=False, follow=True)

@@ -137,6 +137,12 @@ def add_features_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
         help="also keep the target's K most likely next tokens and their log-probabilities at every position, the "
         "soft labels of `dflash train --kl-weight` (16 suffices; 0 = none)",
     )
+    parser.add_argument(
+        "--follow",
+        action="store_true",
+        help="keep going while `dflash regenerate` is still writing --data: compute each new shard's features as it "
+        "lands, and stop when the regeneration is complete",
+    )
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     return parser
 
@@ -164,6 +170,7 @@ def run_features(args: argparse.Namespace) -> int:
         args.max_length,
         getattr(torch, args.dtype),
         top_k=args.top_k,
+        follow=args.follow,
     )
     print(f"features of layers {layer_ids} in {out}; train on them with `dflash train --data {out} ...`")
     return 0

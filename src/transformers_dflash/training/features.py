@@ -9,13 +9,14 @@ verifier would reject."""
 import errno
 import json
 import shutil
+import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..configuration_dflash import text_config
-from ..data import DiskFullError, list_shards, load_shard
+from ..data import DiskFullError, list_shards, load_shard, read_manifest
 from .batches import collate
 
 FEATURES_INFO = "features.json"
@@ -32,6 +33,8 @@ def cache_context_features(
     dtype: torch.dtype = torch.bfloat16,
     progress: bool = True,
     top_k: int = 0,
+    follow: bool = False,
+    poll_seconds: float = 60.0,
 ) -> Path:
     """Offline training data: every shard of `data_dir` again, each example with its `context_features`.
 
@@ -42,6 +45,9 @@ def cache_context_features(
 
     top_k > 0 also keeps, at every position, the target's `top_k` most likely next tokens and their log-probabilities
     (`target_top_ids`, `target_top_logprobs`): the soft labels of `dflash train --kl-weight`.
+
+    follow=True keeps going while `dflash regenerate` writes `data_dir`: it looks for new shards every `poll_seconds`
+    and returns once the regeneration's manifest says it is complete and every shard has its features.
     """
     from tqdm.auto import tqdm
 
@@ -82,15 +88,28 @@ def cache_context_features(
     # bytes per stored position: the features, then input_ids, loss_mask and target_ids, then the top tokens
     position_bytes = len(target_layer_ids) * text_config(target.config).hidden_size * dtype.itemsize + 17
     position_bytes += top_k * 6
+    if follow and read_manifest(data_dir) is None:
+        raise ValueError(
+            f"--follow waits for the shards that `dflash regenerate` is still writing, but {data_dir} has no "
+            "manifest.json of a regeneration. Leave --follow out for a finished folder."
+        )
     shards = list_shards(data_dir)
-    bar = tqdm(total=len(shards), desc="features", unit="shard", disable=not progress)
+    total = read_manifest(data_dir)["num_shards"] if follow else len(shards)
+    bar = tqdm(total=total, desc="features", unit="shard", disable=not progress)
+    bar.update(sum((out_dir / f"{shard.stem}.pt").exists() for shard in shards))
     agreed = labelled = 0  # response tokens (of the shards computed in this run) that equal the target's choice
     skipped = 0  # examples of those shards left out: truncated to max_length, they keep no response token
-    for shard in shards:
-        destination = out_dir / f"{shard.stem}.pt"  # features are tensors: always the torch format
-        if destination.exists():
-            bar.update(1)
+    while True:
+        # Read "complete" before listing: a regeneration marks itself complete only after its last shard is on disk.
+        complete = not follow or read_manifest(data_dir).get("complete", False)
+        pending = [shard for shard in list_shards(data_dir) if not (out_dir / f"{shard.stem}.pt").exists()]
+        if not pending:
+            if complete:
+                break
+            time.sleep(poll_seconds)
             continue
+        shard = pending[0]
+        destination = out_dir / f"{shard.stem}.pt"  # features are tensors: always the torch format
         examples = load_shard(shard)
         finished = len(list(out_dir.glob("shard-*.pt")))
         needed = position_bytes * sum(min(len(e["input_ids"]), max_length) for e in examples)
