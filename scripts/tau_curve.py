@@ -107,7 +107,14 @@ def report(args) -> str:
         examples = start.get("num_examples")
         for eval_path in sorted((args.out / "eval").glob(f"run-{num_shards}-step-*.json")):
             step = int(eval_path.stem.rsplit("-", 1)[1])
-            summary = {s["dataset"]: s for s in json.loads(eval_path.read_text())["summary"] if s["method"] == "dflash"}
+            evaluation = json.loads(eval_path.read_text())
+            summary = {s["dataset"]: s for s in evaluation["summary"] if s["method"] == "dflash"}
+            # each prompt's own tau: how far apart the prompts are says what difference the table can resolve
+            per_prompt = [
+                sum(sample["acceptance"]) / len(sample["acceptance"])
+                for sample in evaluation.get("samples", [])
+                if sample["method"] == "dflash" and sample.get("acceptance")
+            ]
             rows.append(
                 {
                     "shards": num_shards,
@@ -119,17 +126,20 @@ def report(args) -> str:
                     "tau_humaneval": summary["humaneval"]["tau"],
                     "tau": summary["all"]["tau"],
                     "mismatches": summary["all"]["mismatches"],
+                    "per_prompt": (min(per_prompt), max(per_prompt)) if per_prompt else None,
                 }
             )
     lines = [
-        "| shards | training sequences | steps | epochs | training CPU-min | tau MT-Bench | tau HumanEval | tau all |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| shards | training sequences | steps | epochs | training CPU-min | tau MT-Bench | tau HumanEval | tau all "
+        "| tau per prompt |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in sorted(rows, key=lambda r: (r["shards"], r["step"])):
         epochs = f"{r['epochs']:.1f}" if r["epochs"] else "?"
+        spread = f"{r['per_prompt'][0]:.2f}-{r['per_prompt'][1]:.2f}" if r["per_prompt"] else "?"
         lines.append(
             f"| {r['shards']} | {r['examples'] or '?'} | {r['step']} | {epochs} | {r['cpu_min']:.0f} | "
-            f"{r['tau_mtbench']:.2f} | {r['tau_humaneval']:.2f} | {r['tau']:.2f} |"
+            f"{r['tau_mtbench']:.2f} | {r['tau_humaneval']:.2f} | {r['tau']:.2f} | {spread} |"
         )
     if any(r["mismatches"] for r in rows):
         lines.append("\nSome outputs differed from plain generate(): see the eval reports.")

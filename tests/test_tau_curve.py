@@ -59,9 +59,15 @@ def test_report_tabulates_finished_evaluations(tau_curve, tmp_path):
             for name, offset in [("mtbench", 0.02), ("humaneval", -0.02), ("all", 0.0)]
             for method in ("baseline", "dflash")  # plain decoding's rows are left out of the table
         ]
-        (out / "eval" / f"run-2-step-{step}.json").write_text(json.dumps({"summary": summary}))
+        samples = [
+            {"method": "dflash", "acceptance": [1, 1, 2, 1] if step == 200 else [1, 2]},
+            {"method": "dflash", "acceptance": [2, 1, 1, 1, 1]},
+            {"method": "baseline", "acceptance": None},
+        ]
+        evaluation = {"summary": summary, "samples": samples} if step == 400 else {"summary": summary}
+        (out / "eval" / f"run-2-step-{step}.json").write_text(json.dumps(evaluation))
     table = tau_curve.report(argparse.Namespace(out=out)).splitlines()
     assert table[2:] == [
-        "| 2 | 500 | 200 | 3.2 | 20 | 1.12 | 1.08 | 1.10 |",
-        "| 2 | 500 | 400 | 6.4 | 40 | 1.22 | 1.18 | 1.20 |",
+        "| 2 | 500 | 200 | 3.2 | 20 | 1.12 | 1.08 | 1.10 | ? |",
+        "| 2 | 500 | 400 | 6.4 | 40 | 1.22 | 1.18 | 1.20 | 1.20-1.50 |",
     ]
