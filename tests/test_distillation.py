@@ -1,6 +1,7 @@
 """Distillation: the target's top tokens cached by `dflash features --top-k`, and the KL term of `dflash train
 --kl-weight`."""
 
+import errno
 import json
 
 import pytest
@@ -189,31 +190,30 @@ def test_features_leave_out_examples_without_a_response_token(tmp_path):
 
 
 def test_features_stop_on_a_full_disk_and_keep_finished_shards(tmp_path, monkeypatch):
-    from transformers_dflash.data import DiskFullError
+    from transformers_dflash.data import DiskFullError, shards
     from transformers_dflash.training import features as features_module
 
     target = tiny_target()
     write_shards(tmp_path / "data", target, num_examples=8, per_shard=4)
     out = tmp_path / "features"
-    real_usage, real_save = features_module.shutil.disk_usage, features_module.torch.save
+    real_usage, real_replace = features_module.shutil.disk_usage, shards.os.replace
     free = {"bytes": 10**12}
     monkeypatch.setattr(
         features_module.shutil, "disk_usage", lambda path: real_usage(path)._replace(free=free["bytes"])
     )
 
-    def save(records, path):  # torch.save says "file write failed" as a RuntimeError when the disk fills up
-        real_save(records, path)
-        if path.name.startswith("shard-00001"):
-            free["bytes"] = 0
-            raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 4096 vs 512")
+    def replace(src, dst):  # the disk fills up while the second shard is written
+        if str(dst).endswith("shard-00001.pt"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_replace(src, dst)
 
-    monkeypatch.setattr(features_module.torch, "save", save)
-    with pytest.raises(DiskFullError, match=r"filled up while writing shard-00001.pt.*1 features shard.*rerun"):
+    monkeypatch.setattr(shards.os, "replace", replace)
+    with pytest.raises(DiskFullError, match=r"Disk full while writing features shard .*shard-00001.pt.*1 shard.*rerun"):
         cache_context_features(target, tmp_path / "data", out, [1, 2], progress=False)
     assert sorted(p.name for p in out.iterdir()) == ["features.json", "shard-00000.pt"]  # no .tmp left behind
 
     # Short of space before a shard: refused before the target's pass, with what it needs
-    monkeypatch.setattr(features_module.torch, "save", real_save)
+    monkeypatch.setattr(shards.os, "replace", real_replace)
     free["bytes"] = 1000
     with pytest.raises(DiskFullError, match=r"shard-00001.pt needs about 0.00 GB and .* has 0.00 GB free"):
         cache_context_features(target, tmp_path / "data", out, [1, 2], progress=False)

@@ -84,11 +84,13 @@ from .shards import (
     SHARD_FORMATS,
     SHARD_NAME,
     SHARD_RE,
+    disk_full_error,
     iter_regenerated_examples,
     list_shards,
     load_shard,
     read_manifest,
     shard_to_parquet_bytes,
+    write_atomically,
 )
 
 __all__ = [
@@ -127,6 +129,8 @@ __all__ = [
     "run_regenerate",
     "shard_to_parquet_bytes",
     "sharegpt_available",
+    "write_atomically",
+    "disk_full_error",
     # constants
     "CONTAMINATION_THRESHOLD",
     "FINGERPRINT_FULL_BELOW",

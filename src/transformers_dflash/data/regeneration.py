@@ -27,11 +27,11 @@ from .shards import (
     PARQUET_SHARD_NAME,
     SHARD_FORMATS,
     SHARD_NAME,
-    _atomic_write,
     _import_pyarrow,
     load_shard,
     read_manifest,
     shard_to_parquet_bytes,
+    write_atomically,
 )
 
 logger = logging.getLogger(__name__)
@@ -410,7 +410,7 @@ def regenerate(
 
     def write_manifest() -> None:
         finalize()
-        _atomic_write(
+        write_atomically(
             out_dir / MANIFEST_NAME, json.dumps(manifest, indent=1).encode("utf-8"), "the manifest", len(shards_info)
         )
 
@@ -499,7 +499,7 @@ def regenerate(
             ]
             data = _shard_bytes(records, [i for i, _ in encoded], shard_format)
             path = out_dir / (PARQUET_SHARD_NAME if shard_format == "parquet" else SHARD_NAME).format(s)
-            _atomic_write(path, data, "shard", len(shards_info))
+            write_atomically(path, data, "shard", len(shards_info))
             info = _shard_info(path, records, data, skipped_empty, skipped_long)
             shards_info[f"{s:05d}"] = info
             write_manifest()

@@ -206,7 +206,17 @@ def iter_regenerated_examples(data_dir: str | os.PathLike, verify: bool = True) 
         yield from load_shard(path, expected_sha256=info.get("sha256") if info else None)
 
 
-def _atomic_write(path: Path, data: bytes, what: str, finished: int) -> None:
+def disk_full_error(what: str, finished: int) -> DiskFullError:
+    """`what` ran out of disk: the shards finished so far are intact and the same command resumes."""
+    return DiskFullError(
+        errno.ENOSPC,
+        f"{what} The {finished} shard(s) finished so far are intact. Free some space (or use --out on a bigger disk) "
+        "and rerun the same command to resume.",
+    )
+
+
+def write_atomically(path: Path, data: bytes, what: str, finished: int) -> None:
+    """Write `data` to `path` whole or not at all (a .tmp, fsynced, then renamed); a full disk is a DiskFullError."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "wb") as f:
@@ -220,9 +230,5 @@ def _atomic_write(path: Path, data: bytes, what: str, finished: int) -> None:
         except OSError:
             pass
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise DiskFullError(
-                errno.ENOSPC,
-                f"Disk full while writing {what} {path}. The {finished} shard(s) finished so far are intact. Free some "
-                f"space (or use --out on a bigger disk) and rerun the same command to resume.",
-            ) from e
+            raise disk_full_error(f"Disk full while writing {what} {path}.", finished) from e
         raise

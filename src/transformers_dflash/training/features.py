@@ -6,7 +6,7 @@ Training can label with it instead of the text (`loss.py`, `labels="target"`), s
 little differently from the target (int8, another kernel, off-the-shelf text) never teaches the drafter a token the
 verifier would reject."""
 
-import errno
+import io
 import json
 import shutil
 import time
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..configuration_dflash import text_config
-from ..data import DiskFullError, list_shards, load_shard, read_manifest
+from ..data import disk_full_error, list_shards, load_shard, read_manifest, write_atomically
 from .batches import collate
 
 FEATURES_INFO = "features.json"
@@ -88,13 +88,14 @@ def cache_context_features(
     # bytes per stored position: the features, then input_ids, loss_mask and target_ids, then the top tokens
     position_bytes = len(target_layer_ids) * text_config(target.config).hidden_size * dtype.itemsize + 17
     position_bytes += top_k * 6
-    if follow and read_manifest(data_dir) is None:
+    manifest = read_manifest(data_dir) if follow else None
+    if follow and manifest is None:
         raise ValueError(
             f"--follow waits for the shards that `dflash regenerate` is still writing, but {data_dir} has no "
             "manifest.json of a regeneration. Leave --follow out for a finished folder."
         )
     shards = list_shards(data_dir)
-    total = read_manifest(data_dir)["num_shards"] if follow else len(shards)
+    total = manifest["num_shards"] if follow else len(shards)
     bar = tqdm(total=total, desc="features", unit="shard", disable=not progress)
     bar.update(sum((out_dir / f"{shard.stem}.pt").exists() for shard in shards))
     agreed = labelled = 0  # response tokens (of the shards computed in this run) that equal the target's choice
@@ -118,7 +119,7 @@ def cache_context_features(
             message = (
                 f"{destination.name} needs about {needed / 1e9:.2f} GB and {out_dir} has {free / 1e9:.2f} GB free."
             )
-            raise _disk_full(message, finished)
+            raise disk_full_error(message, finished)
         order = sorted(range(len(examples)), key=lambda i: -len(examples[i]["input_ids"]))
         records: list[dict | None] = [None] * len(examples)
         for start in range(0, len(order), batch_size):
@@ -148,18 +149,10 @@ def cache_context_features(
                 response = records[i]["loss_mask"]
                 agreed += int((records[i]["target_ids"] == records[i]["input_ids"])[response].sum())
                 labelled += int(response.sum())
-        tmp = destination.with_name(destination.name + ".tmp")
         records = [record for record in records if record is not None]
-        try:
-            torch.save(records, tmp)
-            tmp.replace(destination)  # atomic: a shard is either whole or absent
-        except (OSError, RuntimeError) as error:  # torch.save reports a full disk as a RuntimeError
-            tmp.unlink(missing_ok=True)
-            if isinstance(error, OSError) and error.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
-            if shutil.disk_usage(out_dir).free >= needed:
-                raise
-            raise _disk_full(f"The disk filled up while writing {destination.name}.", finished) from error
+        buffer = io.BytesIO()
+        torch.save(records, buffer)
+        write_atomically(destination, buffer.getvalue(), "features shard", finished)  # whole or absent
         info["shard_sizes"][destination.name] = {"examples": len(records), "bytes": destination.stat().st_size}
         info_path.write_text(json.dumps(info, indent=1))
         bar.update(1)
@@ -170,14 +163,6 @@ def cache_context_features(
         info["skipped_no_response"] = skipped
         info_path.write_text(json.dumps(info, indent=1))
     return out_dir
-
-
-def _disk_full(what: str, finished: int) -> DiskFullError:
-    return DiskFullError(
-        errno.ENOSPC,
-        f"{what} The {finished} features shard(s) finished so far are intact. Free some space (or use --out on a "
-        "bigger disk) and rerun the same command to resume.",
-    )
 
 
 def check_cached_features(
