@@ -9,6 +9,10 @@ side (one thread each); `--report` then writes the table of whatever is finished
     python scripts/tau_curve.py --features FEATURES --out CURVE --shards 1 2 4 --steps 400 --eval-at 100 200 400
     python scripts/tau_curve.py --features FEATURES --out CURVE --report CURVE/curve.md
 
+With `--val-features HELDOUT-F ...` (features of the target's greedy answers to held-out prompts, see
+scripts/heldout_tau.py) each checkpoint is measured by replay over every held-out prompt instead (seconds, and
+exactly the acceptance lengths of greedy decoding with whole blocks); give it to `--report` as well.
+
 Training time is the CPU time (user + system) of the training processes, summed over resumes, so that runs sharing
 a machine compare fairly; wall time is recorded beside it.
 """
@@ -85,9 +89,20 @@ def train_and_evaluate(args, num_shards: int) -> None:
         record_path.write_text(json.dumps(record, indent=1))
     for step in args.eval_at:
         name = f"run-{num_shards}-step-{step}"
+        checkpoint = run / f"checkpoint-{step:08d}"
+        if args.val_features:  # replayed over the target's greedy answers to every held-out prompt
+            replay_path = args.out / "eval" / f"{name}.replay.json"
+            if not replay_path.exists():
+                env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+                subprocess.run(
+                    [sys.executable, str(REPO / "scripts" / "heldout_tau.py"), "--drafters", str(checkpoint),
+                     "--features", *map(str, args.val_features), "--threads", str(args.threads),
+                     "--json", str(replay_path)],
+                    env=env, check=True,
+                )  # fmt: skip
+            continue
         if (args.out / "eval" / f"{name}.json").exists():
             continue
-        checkpoint = run / f"checkpoint-{step:08d}"
         dflash(
             "bench", "--drafter", str(checkpoint), *BENCH, "--threads", str(args.threads),
             "--output-dir", str(args.out / "eval"), "--name", name,
@@ -95,7 +110,40 @@ def train_and_evaluate(args, num_shards: int) -> None:
         )  # fmt: skip
 
 
+def replay_report(args) -> str:
+    """The table of runs evaluated with --val-features: tau per held-out set, pooled with its 95 % interval."""
+    lines, names = [], None
+    for record_path in sorted(args.out.glob("run-*.json"), key=lambda p: int(p.stem.split("-")[1])):
+        num_shards = int(record_path.stem.split("-")[1])
+        log = [json.loads(line) for line in (args.out / f"run-{num_shards}" / "log.jsonl").read_text().splitlines()]
+        start = next(r for r in log if r.get("event") == "start")
+        cpu_s, examples = json.loads(record_path.read_text())["cpu_s"], start.get("num_examples")
+        paths = sorted(
+            args.out.glob(f"eval/run-{num_shards}-step-*.replay.json"),
+            key=lambda p: int(p.stem.split("-")[3].split(".")[0]),
+        )
+        for path in paths:
+            step = int(path.stem.split("-")[3].split(".")[0])
+            result = json.loads(path.read_text())[0]
+            names = names or list(result["sets"])
+            epochs = f"{step * start['config']['batch_size'] / examples:.1f}" if examples else "?"
+            low, high = result["interval"]
+            lines.append(
+                f"| {num_shards} | {examples or '?'} | {step} | {epochs} | {cpu_s * step / start['total_steps'] / 60:.0f} | "
+                + " | ".join(f"{result['sets'][n]['tau']:.3f}" for n in names)
+                + f" | {result['tau']:.3f} ({low:.3f}-{high:.3f}) |"
+            )
+    names = names or []
+    header = "| shards | training sequences | steps | epochs | training CPU-min | " + " | ".join(
+        f"tau {n}" for n in names
+    )
+    header += " | tau all (95 % interval) |"
+    return "\n".join([header, "|" + "---:|" * (6 + len(names)), *lines]) + "\n"
+
+
 def report(args) -> str:
+    if getattr(args, "val_features", None):
+        return replay_report(args)
     rows = []
     for record_path in sorted(args.out.glob("run-*.json"), key=lambda p: int(p.stem.split("-")[1])):
         num_shards = int(record_path.stem.split("-")[1])
@@ -157,6 +205,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400, help="optimizer steps per run (batch 8)")
     parser.add_argument("--eval-at", type=int, nargs="+", default=[100, 200, 400], help="steps to evaluate")
     parser.add_argument("--labels", default="auto", help="dflash train --labels")
+    parser.add_argument(
+        "--val-features", type=Path, nargs="+",
+        help="evaluate by replay over these held-out features folders (scripts/heldout_tau.py: every prompt, "
+        "seconds) instead of decoding 6 prompts with `dflash bench`",
+    )  # fmt: skip
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--report", type=Path, help="write the table of finished runs here, and stop")
     parser.add_argument("train_args", nargs="*", help="more `dflash train` options, after --")

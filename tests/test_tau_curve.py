@@ -71,3 +71,44 @@ def test_report_tabulates_finished_evaluations(tau_curve, tmp_path):
         "| 2 | 500 | 200 | 3.2 | 20 | 1.12 | 1.08 | 1.10 | ? |",
         "| 2 | 500 | 400 | 6.4 | 40 | 1.22 | 1.18 | 1.20 | 1.20-1.50 |",
     ]
+
+
+def test_report_of_replayed_evaluations(tau_curve, tmp_path):
+    out = tmp_path / "curve"
+    (out / "run-4").mkdir(parents=True)
+    (out / "eval").mkdir()
+    start = {"event": "start", "step": 0, "total_steps": 800, "num_examples": 1000, "config": {"batch_size": 8}}
+    (out / "run-4" / "log.jsonl").write_text(json.dumps(start) + "\n")
+    (out / "run-4.json").write_text(json.dumps({"cpu_s": 4800.0, "wall_s": 5000.0}))
+    for step, tau in [(800, 1.4), (400, 1.3)]:
+        sets = {"mt-F": {"tau": tau + 0.05}, "he-F": {"tau": tau - 0.05}}
+        result = [{"drafter": "x", "sets": sets, "tau": tau, "interval": [tau - 0.02, tau + 0.03]}]
+        (out / "eval" / f"run-4-step-{step}.replay.json").write_text(json.dumps(result))
+    (out / "eval" / "run-4-step-400.json").write_text("{}")  # a bench evaluation is not read
+    table = tau_curve.report(argparse.Namespace(out=out, val_features=[Path("mt-F"), Path("he-F")])).splitlines()
+    assert table[0] == (
+        "| shards | training sequences | steps | epochs | training CPU-min | tau mt-F | tau he-F | tau all (95 % interval) |"
+    )
+    assert table[2:] == [
+        "| 4 | 1000 | 400 | 3.2 | 40 | 1.350 | 1.250 | 1.300 (1.280-1.330) |",
+        "| 4 | 1000 | 800 | 6.4 | 80 | 1.450 | 1.350 | 1.400 (1.380-1.430) |",
+    ]
+
+
+@pytest.fixture(scope="module")
+def heldout_tau():
+    spec = importlib.util.spec_from_file_location("heldout_tau", SCRIPT.parent / "heldout_tau.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_heldout_tau_pools_steps_and_brackets_them(heldout_tau):
+    per_prompt = [[1, 2, 1], [3, 1], [1, 1, 1, 1]]
+    assert heldout_tau.pooled_tau(per_prompt) == 12 / 9
+    low, high = heldout_tau.bootstrap_interval(per_prompt)
+    assert 1.0 <= low <= 12 / 9 <= high <= 2.0
+    assert heldout_tau.bootstrap_interval([[2, 2], [2]]) == (2.0, 2.0)  # every resample pools to the same tau
+    sets = {"mt": {"tau": 1.5, "tau_all_anchors": 1.4, "slot_accuracy": [0.4, 0.2]}}
+    table = heldout_tau.table([{"drafter": "d", "sets": sets, "tau": 1.5, "interval": (1.45, 1.55)}]).splitlines()
+    assert table[2] == "| d | 1.500 | 1.500 (1.450-1.550) | 1.400 | 0.400 |"

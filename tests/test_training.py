@@ -21,11 +21,13 @@ from transformers_dflash.training import (
     build_block_attention_mask,
     cache_context_features,
     check_cached_features,
+    check_replay_features,
     default_gamma,
     dflash_loss,
     evaluate_acceptance_length,
     iter_training_examples,
     loss_weights,
+    replay_acceptance,
     run_train,
     sample_anchors,
     target_context_features,
@@ -398,6 +400,90 @@ def test_evaluate_acceptance_length_leaves_drafter_alone():
     assert next(drafter.parameters()).dtype == torch.float32 and drafter.training  # not moved by generate()
 
 
+def test_replayed_acceptance_equals_greedy_decoding():
+    """The replay over cached features of the target's greedy answers gives, step for step, the acceptance lengths of
+    real DFlash decoding with whole blocks: answers that end at EOS and at max_new_tokens, partial and full accepts."""
+    from conftest import EOS, make_drafter, make_target
+
+    target = make_target()  # peaky logits: answers loop, so a briefly trained drafter gets drafts accepted
+    drafter = make_drafter(target, block_size=BLOCK_SIZE).double()
+    prompts = torch.randint(3, 96, (8, 6), generator=torch.Generator().manual_seed(0))
+    answers = target.generate(prompts, max_new_tokens=30, do_sample=False)
+    loss_mask = torch.zeros_like(answers, dtype=torch.bool)
+    loss_mask[:, 6:] = True
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    drafter.train()
+    for _ in range(60):
+        loss, _ = dflash_loss(drafter, target, answers, loss_mask, 16)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    drafter.eval()
+    drafter.draft_length, drafter.ngram_lookup = "full", 0  # whole blocks, no copied drafts: what the replay replays
+    examples, decoded = [], []
+    for prompt in prompts[:5]:
+        answer = target.generate(prompt[None], assistant_model=drafter, max_new_tokens=25, do_sample=False)
+        decoded.append(drafter.last_acceptance_lengths[1:])
+        features, choices, _ = target_features_and_choices(target, answer, drafter.config.target_layer_ids)
+        mask = torch.arange(answer.shape[1]) >= 6
+        examples.append(
+            {"input_ids": answer[0], "loss_mask": mask, "context_features": features[0], "target_ids": choices[0]}
+        )
+    assert EOS in [int(e["input_ids"][-1]) for e in examples] and 31 in [len(e["input_ids"]) for e in examples]
+    assert any(1 < n < BLOCK_SIZE for lengths in decoded for n in lengths)  # partial accepts
+    assert any(n == BLOCK_SIZE for lengths in decoded for n in lengths)  # whole blocks
+    replay = replay_acceptance(target, drafter, examples)
+    assert replay["acceptance_lengths"] == decoded
+    steps = [n for lengths in decoded for n in lengths]
+    assert replay["tau"] == pytest.approx(sum(steps) / len(steps)) and replay["steps"] == len(steps)
+    assert 1 <= replay["tau_all_anchors"] <= BLOCK_SIZE and len(replay["slot_accuracy"]) == BLOCK_SIZE - 1
+
+
+def test_replay_counts_a_slot_only_while_the_text_follows_the_target(monkeypatch):
+    """On text that leaves the target's greedy path, a slot counts only while the text before it is the target's
+    choice (the training label rule): a drafter that always drafts the target's choices is accepted up to there."""
+    target = tiny_target(torch.float64)
+    drafter = tiny_drafter(target).double().eval()
+    answer = target.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=12, do_sample=False)[0]
+    features, choices, _ = target_features_and_choices(target, answer[None], drafter.config.target_layer_ids)
+    text = answer.clone()
+    text[9] = (text[9] + 1) % 96  # the text leaves the path at position 9
+    example = {
+        "input_ids": text,
+        "loss_mask": torch.arange(len(text)) >= 4,
+        "context_features": features[0],
+        "target_ids": choices[0],
+    }
+    from transformers_dflash import candidate_generator
+
+    original = candidate_generator.DraftHead.__call__
+
+    def perfect(self, hidden):  # a drafter that always drafts the target's choices
+        drafts, logits = original(self, hidden)
+        anchors = torch.arange(4, len(text) - 1)
+        positions = (anchors[:, None] + torch.arange(1, BLOCK_SIZE)).clamp(max=len(text) - 1)
+        return choices[0][positions], logits
+
+    monkeypatch.setattr(candidate_generator.DraftHead, "__call__", perfect)
+    replay = replay_acceptance(target, drafter, [example])
+    # From position 4: blocks at 4 (slots 5..7 on the path: 3 accepted), 8 (slot 9 is labelled, the target's choice
+    # there differs from the text, so slot 10 is not: 1 accepted), then 10 and 13 past the deviation.
+    assert replay["acceptance_lengths"][0][:2] == [4, 2]
+    assert replay["slot_accuracy"][0] == 1.0
+
+
+def test_replay_features_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="no features.json.*dflash regenerate --prompts mtbench"):
+        check_replay_features(tmp_path, [1, 2])
+    (tmp_path / "features.json").write_text(json.dumps({"target_layer_ids": [1, 2], "max_length": 64}))
+    with pytest.raises(ValueError, match="without the target's choices"):
+        check_replay_features(tmp_path, [1, 2])
+    (tmp_path / "features.json").write_text(json.dumps({"target_layer_ids": [1, 2], "target_choices": True}))
+    check_replay_features(tmp_path, [1, 2])
+    with pytest.raises(ValueError, match=r"layers \[1, 2\], but the drafter reads layers \[0, 3\]"):
+        check_replay_features(tmp_path, [0, 3])
+
+
 def small_config(tmp_path, data, output, **overrides):
     values = dict(
         target="unused",
@@ -451,6 +537,31 @@ def test_checkpoint_resume_is_exact(tmp_path):
     losses_a = {r["step"]: r["loss"] for r in read_log(tmp_path / "a") if "loss" in r}
     losses_b = {r["step"]: r["loss"] for r in read_log(tmp_path / "b") if "loss" in r}
     assert losses_a[3] == losses_b[3] and losses_a[4] == losses_b[4]
+
+
+def test_training_validates_by_replay_on_held_out_features(tmp_path):
+    target = tiny_target()
+    write_shards(tmp_path / "data", target)
+    write_shards(tmp_path / "heldout", target, num_examples=4, per_shard=4)
+    features = tmp_path / "heldout-features"
+    cache_context_features(
+        target, tmp_path / "heldout", features, [1, 2], max_length=64, dtype=torch.float32, progress=False
+    )
+    config = small_config(
+        tmp_path, tmp_path / "data", tmp_path / "out", target_layer_ids=[1, 2], val_features=str(features), eval_every=2
+    )
+    summary = train(config, target=target)
+    replays = [r for r in read_log(tmp_path / "out") if "val_replay_tau" in r]
+    assert [r["step"] for r in replays] == [2, 4]
+    assert summary["val_replay_tau"] == replays[-1]["val_replay_tau"] >= 1
+    drafter = DFlashDraftModel.from_pretrained(tmp_path / "out")  # the final drafter is the one validated last
+    replay = replay_acceptance(target, drafter, iter_training_examples(features))
+    assert replay["tau"] == pytest.approx(summary["val_replay_tau"])
+    # The regenerated answers themselves (no features) are refused before any step.
+    bad = replace(config, output=str(tmp_path / "bad"), val_features=str(tmp_path / "heldout"))
+    with pytest.raises(ValueError, match="--val-features .*heldout: no features.json"):
+        train(bad, target=target)
+    assert not (tmp_path / "bad" / "log.jsonl").exists()
 
 
 def test_cli_training_lowers_loss(tmp_path):

@@ -41,14 +41,8 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.block_size = self.config.block_size
         self.embed_tokens = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
-        # The rows of the LM head the drafter scores (a reduced draft vocabulary, or all of them), sliced once.
-        self.head_weight, self.head_bias = drafter.draft_head(self.lm_head)
         self.fast_cpu_linears = getattr(drafter, "fast_cpu_linears", True)
-        self.head_linear = skinny_linear if self.fast_cpu_linears else F.linear
-        self.draft_vocab_ids, self.mask_index = drafter.draft_vocab_ids, self.config.mask_token_id
-        if self.draft_vocab_ids is not None:
-            self.draft_vocab_ids = self.draft_vocab_ids.to(self.head_weight.device)
-            self.mask_index = (self.draft_vocab_ids == self.config.mask_token_id).nonzero().flatten()
+        self.head = DraftHead(drafter, self.lm_head, skinny_linear if self.fast_cpu_linears else F.linear)
         self.max_length = getattr(generation_config, "max_length", None)
         self.logits_processor = logits_processor
         self.cache = DFlashDrafterCache(self.config.num_hidden_layers)
@@ -57,7 +51,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.ngram_lookup = ngram_lookup_for(getattr(drafter, "ngram_lookup", None), self.block_size, device)
         drafter_param = next(drafter.parameters())
         self.drafter_device, self.drafter_dtype = drafter_param.device, drafter_param.dtype
-        _warn_slow_cpu_dtype(self.drafter_dtype, self.head_weight.dtype, self.drafter_device)
+        _warn_slow_cpu_dtype(self.drafter_dtype, self.head.weight.dtype, self.drafter_device)
         self.num_captured_valid = 0
 
         # Forward hooks keep the chosen layers' outputs. hidden_states[i + 1] in transformers is the output of layer
@@ -124,17 +118,11 @@ class DFlashCandidateGenerator(CandidateGenerator):
             cache=self.cache,
         ).last_hidden_state
         # Only the rows we will verify go through the (large) LM head.
-        hidden = hidden[:, 1 : 1 + num_draft].to(self.head_weight.device, self.head_weight.dtype)
-        logits = self.head_linear(hidden, self.head_weight, self.head_bias)
-        # The mask token is the drafter's input placeholder; an (untrained) drafter tends to echo it back.
-        logits[..., self.mask_index] = torch.finfo(logits.dtype).min
+        drafts, logits = self.head(hidden[:, 1 : 1 + num_draft])
         confidence = None
         if self.draft_length_policy.uses_confidence:
             # Probability the drafter gives its own proposal: a cheap estimate of each draft's chance of acceptance.
             confidence = torch.softmax(logits.float(), dim=-1).amax(dim=-1).to(anchor_ids.device)
-        drafts = logits.argmax(dim=-1)
-        if self.draft_vocab_ids is not None:
-            drafts = self.draft_vocab_ids[drafts]
         return drafts.to(anchor_ids.device), confidence
 
     def record_step(self, accepted: torch.LongTensor, width: int, seconds: float, draft_seconds: float | None):
@@ -167,6 +155,27 @@ class DFlashCandidateGenerator(CandidateGenerator):
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
         self.drafter.last_acceptance_lengths.append(int(num_matches) + 1)
+
+
+class DraftHead:
+    """The drafter's proposals from its output hidden states: the target's LM head restricted to the draft
+    vocabulary (its rows sliced once), argmax, mapped back to target token ids. The mask token is never proposed."""
+
+    def __init__(self, drafter: nn.Module, lm_head: nn.Module, linear=F.linear):
+        self.weight, self.bias = drafter.draft_head(lm_head)
+        self.linear = linear
+        self.vocab_ids, self.mask_index = drafter.draft_vocab_ids, drafter.config.mask_token_id
+        if self.vocab_ids is not None:
+            self.vocab_ids = self.vocab_ids.to(self.weight.device)
+            self.mask_index = (self.vocab_ids == drafter.config.mask_token_id).nonzero().flatten()
+
+    def __call__(self, hidden: torch.Tensor) -> tuple[torch.LongTensor, torch.Tensor]:
+        """Proposals `[...]` (target token ids) and logits `[..., draft vocab]` of drafter outputs `[..., hidden]`."""
+        logits = self.linear(hidden.to(self.weight.device, self.weight.dtype), self.weight, self.bias)
+        # The mask token is the drafter's input placeholder; an (untrained) drafter tends to echo it back.
+        logits[..., self.mask_index] = torch.finfo(logits.dtype).min
+        drafts = logits.argmax(dim=-1)
+        return (drafts if self.vocab_ids is None else self.vocab_ids[drafts]), logits
 
 
 _warned_dtypes: set = set()

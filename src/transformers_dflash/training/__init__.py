@@ -53,6 +53,7 @@ from .features import (
     FEATURES_INFO,
     cache_context_features,
     check_cached_features,
+    check_replay_features,
     target_context_features,
     target_features_and_choices,
 )
@@ -67,7 +68,7 @@ from .loop import (
     train,
 )
 from .loss import dflash_loss
-from .validation import evaluate_acceptance_length
+from .validation import evaluate_acceptance_length, replay_acceptance
 
 __all__ = [
     "add_features_arguments",
@@ -88,6 +89,7 @@ __all__ = [
     "FEATURES_INFO",
     "cache_context_features",
     "check_cached_features",
+    "check_replay_features",
     "target_context_features",
     "target_features_and_choices",
     "CHECKPOINT_PREFIX",
@@ -100,4 +102,5 @@ __all__ = [
     "train",
     "dflash_loss",
     "evaluate_acceptance_length",
+    "replay_acceptance",
 ]

@@ -23,6 +23,14 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     )
     parser.add_argument("--output", required=True, help="checkpoints, final drafter, log.jsonl; resumes from here")
     parser.add_argument("--val-data", default=None, help="shards of validation prompts (default: held-out training)")
+    parser.add_argument(
+        "--val-features",
+        default=None,
+        nargs="+",
+        help="features folder(s) of the target's own greedy answers to held-out prompts (`dflash regenerate "
+        "--prompts mtbench`, then `dflash features`): each validation also replays greedy decoding over all of them "
+        "(`val_replay_tau` in log.jsonl), seconds instead of the minutes decoding takes",
+    )
     shape = DRAFTER_DEFAULTS
     parser.add_argument(
         "--init-drafter",
@@ -109,6 +117,8 @@ def run_train(args: argparse.Namespace) -> dict:
     options = {f.name: getattr(args, f.name) for f in fields(TrainingConfig) if hasattr(args, f.name)}
     if len(options["data"]) == 1:
         options["data"] = options["data"][0]
+    if options.get("val_features") and len(options["val_features"]) == 1:
+        options["val_features"] = options["val_features"][0]
     return train(TrainingConfig(**options))
 
 

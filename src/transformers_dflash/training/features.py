@@ -194,6 +194,26 @@ def check_cached_features(
         )
 
 
+def check_replay_features(data_dir: str | Path, target_layer_ids: list[int]) -> None:
+    """Refuse, as held-out data for `replay_acceptance`, a folder that is not `dflash features` output with the
+    target's choices for the drafter's layers."""
+    info_path = Path(data_dir) / FEATURES_INFO
+    fix = (
+        "Cache the target's greedy answers to held-out prompts and their features: `dflash regenerate --prompts "
+        f"mtbench --out ANSWERS`, then `dflash features --data ANSWERS --out {data_dir}`"
+    )
+    if not info_path.exists():
+        raise ValueError(f"--val-features {data_dir}: no {FEATURES_INFO} there, so no cached features. {fix}.")
+    info = json.loads(info_path.read_text())
+    if not info.get("target_choices"):
+        raise ValueError(f"--val-features {data_dir}: features cached without the target's choices. {fix}.")
+    if info.get("target_layer_ids") != [int(i) for i in target_layer_ids]:
+        raise ValueError(
+            f"--val-features {data_dir}: features of target layers {info.get('target_layer_ids')}, but the drafter "
+            f"reads layers {list(target_layer_ids)}. {fix} --target-layer-ids {' '.join(map(str, target_layer_ids))}."
+        )
+
+
 @torch.no_grad()
 def target_context_features(target: nn.Module, input_ids, layer_ids, attention_mask=None) -> torch.Tensor:
     """The drafter's context: the target's hidden_states[i + 1] for i in `layer_ids`, concatenated `[b, S, K * H]`."""

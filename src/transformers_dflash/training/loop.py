@@ -14,10 +14,10 @@ from torch import nn
 
 from ..modeling_dflash import DFlashDraftModel
 from ..target_model import check_drafter_fits_target
-from .batches import draft_vocabulary, training_batches, training_shards, validation_prompts
-from .features import check_cached_features, shard_sizes
+from .batches import draft_vocabulary, iter_training_examples, training_batches, training_shards, validation_prompts
+from .features import check_cached_features, check_replay_features, shard_sizes
 from .loss import check_label_rule, dflash_loss
-from .validation import evaluate_acceptance_length
+from .validation import evaluate_acceptance_length, replay_acceptance
 
 # The shape of a drafter trained from scratch, where TrainingConfig leaves it unset.
 DRAFTER_DEFAULTS = {"num_layers": 5, "block_size": 16, "num_target_features": 5}
@@ -31,6 +31,8 @@ class TrainingConfig:
     data: str | list[str] = "data"  # folder(s) of shard-XXXXX.parquet / .pt files; several are one dataset
     output: str = "dflash-drafter"  # checkpoints, the final drafter and log.jsonl
     val_data: str | None = None  # validation prompts; default: the first num_val_prompts training examples (held out)
+    # features folder(s) of the target's greedy answers to held-out prompts: validation also replays decoding on them
+    val_features: str | list[str] | None = None
     # drafter: its shape (None: the init_drafter's, else the DRAFTER_DEFAULTS), or the drafter to fine-tune
     num_layers: int | None = None
     block_size: int | None = None
@@ -180,6 +182,7 @@ def train(config: TrainingConfig, target: nn.Module | None = None) -> dict:
                 f.write(json.dumps(record) + "\n")
 
     folders = training_shards(config.data)  # refuse a bad --data before loading anything
+    val_features = training_shards(config.val_features) if config.val_features else []
 
     # Target: frozen.
     if target is None:
@@ -218,6 +221,8 @@ def train(config: TrainingConfig, target: nn.Module | None = None) -> dict:
     check_label_rule(config.labels)
     for folder, _ in folders:
         check_cached_features(folder, drafter.config.target_layer_ids, config.labels, config.kl_weight)
+    for folder, _ in val_features:
+        check_replay_features(folder, drafter.config.target_layer_ids)
     drafter.float().train()
     if drafter.config._attn_implementation in (None, "flash_attention_2"):
         drafter.config._attn_implementation = "sdpa"  # FlashAttention-2 cannot express the packed-block mask
@@ -278,6 +283,14 @@ def train(config: TrainingConfig, target: nn.Module | None = None) -> dict:
             summary["val_acceptance_length"] = tau
             log({"step": step, "val_acceptance_length": tau})
             progress.write(f"step {step}: validation acceptance length {tau:.3f} on {len(prompts)} prompts")
+        if accelerator.is_main_process and val_features:
+            replay = replay_acceptance(
+                target, accelerator.unwrap_model(drafter), iter_training_examples(config.val_features)
+            )
+            record = {"val_replay_tau": replay["tau"], "val_replay_tau_all_anchors": replay["tau_all_anchors"]}
+            summary.update(record)
+            log({"step": step, **record, "val_replay_slot_accuracy": [round(a, 4) for a in replay["slot_accuracy"]]})
+            progress.write(f"step {step}: replayed acceptance length {replay['tau']:.3f} on {config.val_features}")
         accelerator.wait_for_everyone()
 
     progress = tqdm(total=total_steps, initial=step, desc="train", disable=not accelerator.is_main_process)

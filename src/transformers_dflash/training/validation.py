@@ -31,3 +31,88 @@ def evaluate_acceptance_length(
     finally:
         drafter.train(was_training)
     return sum(steps) / len(steps) if steps else float("nan")
+
+
+@torch.no_grad()
+def replay_acceptance(target: nn.Module, drafter: nn.Module, examples) -> dict:
+    """Held-out acceptance measured on cached features instead of by decoding: greedy DFlash decoding replayed over
+    answers the target wrote itself.
+
+    examples: dicts as `dflash features` caches them (`input_ids`, `loss_mask`, `context_features`, `target_ids`),
+    e.g. the target's greedy answers to held-out prompts (`dflash regenerate --prompts mtbench` with an exact engine,
+    then `dflash features`). One packed drafter forward per example drafts a block at EVERY response position, as
+    training does; the replay then walks those blocks as greedy decoding with whole blocks and no copied drafts would:
+    from the first response token, accept the leading drafts equal to the target's choices, move to the bonus token.
+    On the target's own greedy answers this reproduces `drafter.last_acceptance_lengths` of `generate()` exactly (the
+    same prompt and `max_new_tokens`); where the text leaves the target's greedy path, a slot counts only while the text
+    before it follows the path (the training label rule), so the figure is then an estimate.
+
+    Returns `tau` (tokens per target forward, bonus included, pooled over examples: what `generate()` reports),
+    `tau_all_anchors` (1 + the mean accepted drafts of a block at every response position: lower variance),
+    `slot_accuracy` (per draft slot, among labelled slots), `steps`, and `acceptance_lengths`: per example, the tokens
+    each replayed step committed (`drafter.last_acceptance_lengths[1:]` of the decoding it replays).
+    """
+    from ..candidate_generator import DraftHead
+    from .blocks import block_position_ids, build_block_attention_mask
+
+    was_training = drafter.training
+    drafter.eval()
+    config = drafter.config
+    block_size = config.block_size
+    drafter_param = next(drafter.parameters())
+    head = DraftHead(drafter, target.get_output_embeddings())
+    embed = target.get_input_embeddings()
+    slots = torch.arange(block_size)
+    committed = steps = num_anchors = accepted_sum = 0
+    per_example = []
+    slot_correct, slot_total = torch.zeros(block_size - 1), torch.zeros(block_size - 1)
+    try:
+        for example in examples:
+            input_ids, target_ids = example["input_ids"].long(), example["target_ids"].long()
+            response = example["loss_mask"].bool().nonzero().flatten()
+            seq_len = len(input_ids)
+            if len(response) == 0 or int(response[0]) >= seq_len - 1:
+                continue  # no draft step: the answer is a single token
+            first = int(response[0])
+            anchors = torch.arange(first, seq_len - 1)[None]  # every committed token but the last can anchor a block
+            block_ids = torch.full((1, anchors.shape[1], block_size), config.mask_token_id, dtype=torch.long)
+            block_ids[0, :, 0] = input_ids[anchors[0]]
+            device = drafter_param.device
+            hidden = drafter(
+                block_embeddings=embed(block_ids.flatten(1).to(embed.weight.device)).to(device, drafter_param.dtype),
+                context_features=example["context_features"][None].to(device, drafter_param.dtype),
+                block_position_ids=block_position_ids(anchors, block_size).to(device),
+                context_position_ids=torch.arange(seq_len, device=device)[None],
+                attention_mask=build_block_attention_mask(anchors, seq_len, block_size).to(device),
+            ).last_hidden_state.view(anchors.shape[1], block_size, -1)
+            drafts = head(hidden[:, 1:])[0].cpu()  # [anchors, block_size - 1]
+            # Slot k of the block at a drafts position a + k; it exists while a + k < seq_len and is accepted while it
+            # and every slot before it equal the target's choices, and the text before it follows them.
+            positions = (anchors[0][:, None] + slots[1:]).clamp(max=seq_len - 1)
+            exists = anchors[0][:, None] + slots[1:] < seq_len
+            labels = target_ids[positions]
+            on_path = torch.ones_like(exists)
+            on_path[:, 1:] = (input_ids[positions] == labels)[:, :-1].cumprod(-1).bool()
+            correct = (drafts == labels) & exists & on_path
+            accepted = correct.long().cumprod(-1).sum(-1)  # [anchors]
+            labelled = exists & on_path
+            slot_correct += (correct & labelled).sum(0).float()
+            slot_total += labelled.sum(0).float()
+            num_anchors += len(accepted)
+            accepted_sum += int(accepted.sum())
+            # The replay: each step commits the accepted drafts + the bonus token, never past the end of the answer.
+            position, lengths = first, []
+            while position < seq_len - 1:
+                lengths.append(min(int(accepted[position - first]) + 1, seq_len - 1 - position))
+                position += lengths[-1]
+            per_example.append(lengths)
+            committed, steps = committed + sum(lengths), steps + len(lengths)
+    finally:
+        drafter.train(was_training)
+    return {
+        "tau": committed / steps if steps else float("nan"),
+        "tau_all_anchors": 1 + accepted_sum / num_anchors if num_anchors else float("nan"),
+        "slot_accuracy": (slot_correct / slot_total.clamp(min=1)).tolist(),
+        "steps": steps,
+        "acceptance_lengths": per_example,
+    }
