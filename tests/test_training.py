@@ -434,6 +434,7 @@ def test_replayed_acceptance_equals_greedy_decoding():
     assert any(n == BLOCK_SIZE for lengths in decoded for n in lengths)  # whole blocks
     replay = replay_acceptance(target, drafter, examples)
     assert replay["acceptance_lengths"] == decoded
+    assert replay_acceptance(target, drafter, examples, anchors_per_forward=3) == replay  # blocks in chunks: the same
     steps = [n for lengths in decoded for n in lengths]
     assert replay["tau"] == pytest.approx(sum(steps) / len(steps)) and replay["steps"] == len(steps)
     assert 1 <= replay["tau_all_anchors"] <= BLOCK_SIZE and len(replay["slot_accuracy"]) == BLOCK_SIZE - 1

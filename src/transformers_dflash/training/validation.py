@@ -34,7 +34,7 @@ def evaluate_acceptance_length(
 
 
 @torch.no_grad()
-def replay_acceptance(target: nn.Module, drafter: nn.Module, examples) -> dict:
+def replay_acceptance(target: nn.Module, drafter: nn.Module, examples, anchors_per_forward: int = 64) -> dict:
     """Held-out acceptance measured on cached features instead of by decoding: greedy DFlash decoding replayed over
     answers the target wrote itself.
 
@@ -53,13 +53,11 @@ def replay_acceptance(target: nn.Module, drafter: nn.Module, examples) -> dict:
     each replayed step committed (`drafter.last_acceptance_lengths[1:]` of the decoding it replays).
     """
     from ..candidate_generator import DraftHead
-    from .blocks import block_position_ids, build_block_attention_mask
 
     was_training = drafter.training
     drafter.eval()
     config = drafter.config
     block_size = config.block_size
-    drafter_param = next(drafter.parameters())
     head = DraftHead(drafter, target.get_output_embeddings())
     embed = target.get_input_embeddings()
     slots = torch.arange(block_size)
@@ -75,17 +73,14 @@ def replay_acceptance(target: nn.Module, drafter: nn.Module, examples) -> dict:
                 continue  # no draft step: the answer is a single token
             first = int(response[0])
             anchors = torch.arange(first, seq_len - 1)[None]  # every committed token but the last can anchor a block
-            block_ids = torch.full((1, anchors.shape[1], block_size), config.mask_token_id, dtype=torch.long)
-            block_ids[0, :, 0] = input_ids[anchors[0]]
-            device = drafter_param.device
-            hidden = drafter(
-                block_embeddings=embed(block_ids.flatten(1).to(embed.weight.device)).to(device, drafter_param.dtype),
-                context_features=example["context_features"][None].to(device, drafter_param.dtype),
-                block_position_ids=block_position_ids(anchors, block_size).to(device),
-                context_position_ids=torch.arange(seq_len, device=device)[None],
-                attention_mask=build_block_attention_mask(anchors, seq_len, block_size).to(device),
-            ).last_hidden_state.view(anchors.shape[1], block_size, -1)
-            drafts = head(hidden[:, 1:])[0].cpu()  # [anchors, block_size - 1]
+            # Blocks in chunks: a packed forward attends every block row to every block's keys (masked), so one
+            # forward over all anchors would cost the square of their number.
+            drafts = torch.cat(
+                [
+                    _block_drafts(drafter, head, embed, input_ids, example["context_features"], chunk, block_size)
+                    for chunk in anchors.split(anchors_per_forward, dim=1)
+                ]
+            )  # [anchors, block_size - 1]
             # Slot k of the block at a drafts position a + k; it exists while a + k < seq_len and is accepted while it
             # and every slot before it equal the target's choices, and the text before it follows them.
             positions = (anchors[0][:, None] + slots[1:]).clamp(max=seq_len - 1)
@@ -116,3 +111,22 @@ def replay_acceptance(target: nn.Module, drafter: nn.Module, examples) -> dict:
         "steps": steps,
         "acceptance_lengths": per_example,
     }
+
+
+def _block_drafts(drafter, head, embed, input_ids, context_features, anchors, block_size) -> torch.LongTensor:
+    """The drafter's proposals `[anchors, block_size - 1]` for blocks at `anchors` `[1, n]` of one sequence, in one
+    packed forward over its whole context (as training runs it)."""
+    from .blocks import block_position_ids, build_block_attention_mask
+
+    param = next(drafter.parameters())
+    seq_len = len(input_ids)
+    block_ids = torch.full((1, anchors.shape[1], block_size), drafter.config.mask_token_id, dtype=torch.long)
+    block_ids[0, :, 0] = input_ids[anchors[0]]
+    hidden = drafter(
+        block_embeddings=embed(block_ids.flatten(1).to(embed.weight.device)).to(param.device, param.dtype),
+        context_features=context_features[None].to(param.device, param.dtype),
+        block_position_ids=block_position_ids(anchors, block_size).to(param.device),
+        context_position_ids=torch.arange(seq_len, device=param.device)[None],
+        attention_mask=build_block_attention_mask(anchors, seq_len, block_size).to(param.device),
+    ).last_hidden_state.view(anchors.shape[1], block_size, -1)
+    return head(hidden[:, 1:])[0].cpu()
