@@ -10,8 +10,11 @@ Build the held-out sets once (an exact engine, so that the answers are the targe
     dflash features --target smollm2 --data HO-MT --out HO-MT-F --max-length 1024   # and HO-HE -> HO-HE-F
     python scripts/heldout_tau.py --features HO-MT-F HO-HE-F --drafters DRAFTER [DRAFTER ...]
 
-Prints one row per drafter: tau per features folder and pooled, with a 95 % bootstrap interval over the prompts
-(differences between drafters inside it are not resolved), tau over every anchor, and the first slot's accuracy.
+Prints one row per drafter: tau per features folder and pooled, with a 95 % bootstrap interval over the prompts, tau
+over every anchor, the first slot's accuracy, and the difference to the first drafter's pooled tau with a 95 %
+interval from resampling the prompts for both at once (a difference whose interval excludes 0 is resolved).
+`--json` keeps every prompt's acceptance lengths, and `--compare A.json B.json ...` tabulates such files again
+(the first is the reference) without running anything.
 """
 
 import argparse
@@ -43,6 +46,23 @@ def bootstrap_interval(per_example: list[list[int]], resamples: int = 1000, seed
     return taus[int(0.025 * resamples)], taus[int(0.975 * resamples) - 1]
 
 
+def paired_difference(per_example: list[list[int]], reference: list[list[int]], resamples: int = 1000, seed: int = 0):
+    """Pooled tau minus the reference's on the same prompts, with a 95 % interval from resampling the prompts (the same
+    resample for both drafters: far tighter than comparing their own intervals)."""
+    rng = random.Random(seed)
+    pairs = [((sum(a), len(a)), (sum(b), len(b))) for a, b in zip(per_example, reference)]
+    if len(per_example) != len(reference) or not pairs:
+        raise ValueError("a paired difference needs the same prompts for both drafters")
+
+    def difference(sample):
+        return sum(a[0] for a, _ in sample) / sum(a[1] for a, _ in sample) - sum(b[0] for _, b in sample) / sum(
+            b[1] for _, b in sample
+        )
+
+    differences = sorted(difference([pairs[rng.randrange(len(pairs))] for _ in pairs]) for _ in range(resamples))
+    return difference(pairs), (differences[int(0.025 * resamples)], differences[int(0.975 * resamples) - 1])
+
+
 def evaluate(target, drafter_path: str, features: list[Path]) -> dict:
     import torch
 
@@ -64,14 +84,15 @@ def evaluate(target, drafter_path: str, features: list[Path]) -> dict:
             "prompts": len(replay["acceptance_lengths"]),
         }
     result["tau"], result["interval"] = pooled_tau(every), bootstrap_interval(every)
+    result["acceptance_lengths"] = every
     return result
 
 
 def table(results: list[dict]) -> str:
     names = list(results[0]["sets"])
     header = "| drafter | " + " | ".join(f"tau {n}" for n in names) + " | tau all (95 % interval) | "
-    header += "tau all anchors | slot-1 accuracy |"
-    lines = [header, "|---|" + "---:|" * (len(names) + 3)]
+    header += "tau all anchors | slot-1 accuracy | difference to the first (95 % paired interval) |"
+    lines = [header, "|---|" + "---:|" * (len(names) + 4)]
     for r in results:
         sets = [r["sets"][n] for n in names]
         anchors = sum(s["tau_all_anchors"] for s in sets) / len(sets)
@@ -80,19 +101,34 @@ def table(results: list[dict]) -> str:
         lines.append(
             f"| {r['drafter']} | "
             + " | ".join(f"{s['tau']:.3f}" for s in sets)
-            + f" | {r['tau']:.3f} ({low:.3f}-{high:.3f}) | {anchors:.3f} | {slot1:.3f} |"
+            + f" | {r['tau']:.3f} ({low:.3f}-{high:.3f}) | {anchors:.3f} | {slot1:.3f} | "
+            + (paired_cell(r, results[0]) if r is not results[0] else "")
+            + " |"
         )
     return "\n".join(lines) + "\n"
 
 
+def paired_cell(result: dict, reference: dict) -> str:
+    if "acceptance_lengths" not in result or "acceptance_lengths" not in reference:
+        return "?"
+    difference, (low, high) = paired_difference(result["acceptance_lengths"], reference["acceptance_lengths"])
+    return f"{difference:+.3f} ({low:+.3f} to {high:+.3f})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--features", type=Path, nargs="+", required=True, help="held-out features folders")
-    parser.add_argument("--drafters", nargs="+", required=True, help="drafter folders (or checkpoints)")
+    parser.add_argument("--features", type=Path, nargs="+", default=[], help="held-out features folders")
+    parser.add_argument("--drafters", nargs="+", default=[], help="drafter folders (or checkpoints)")
+    parser.add_argument("--compare", type=Path, nargs="+", help="tabulate --json files of earlier runs instead")
     parser.add_argument("--target", default="smollm2", help='the target: a path or hub id, or "smollm2"')
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
+    if args.compare:
+        print(table([result for path in args.compare for result in json.loads(path.read_text())]))
+        return
+    if not args.features or not args.drafters:
+        parser.error("name --features and --drafters (or --compare earlier --json files)")
 
     import torch
 

@@ -55,9 +55,16 @@ case "$engine" in
     ;;
   *) echo "ENGINE=$engine: use llamacpp or ctranslate2" >&2; exit 2 ;;
 esac
-echo "$!"
+regeneration=$!
+echo "$regeneration"
 # FEATURES=DIR: also cache the target's features of each shard as it lands (`dflash features --follow`), beside it.
 if [ -n "${FEATURES:-}" ]; then
+  # --follow reads the regeneration's manifest, which a new run writes only once its prompts are ready (minutes on
+  # a busy machine): wait for it, or stop if the regeneration died first.
+  until [ -f "$out/manifest.json" ]; do
+    kill -0 "$regeneration" 2>/dev/null || { echo "the regeneration stopped before writing its manifest: see $log" >&2; exit 1; }
+    sleep 5
+  done
   nohup nice -n 19 "$python" -m transformers_dflash.cli features --target smollm2 --data "$out" --out "$FEATURES" \
     --max-length 1024 --threads "$threads" --follow >>"$FEATURES.log" 2>&1 &
   echo "$!"

@@ -111,4 +111,21 @@ def test_heldout_tau_pools_steps_and_brackets_them(heldout_tau):
     assert heldout_tau.bootstrap_interval([[2, 2], [2]]) == (2.0, 2.0)  # every resample pools to the same tau
     sets = {"mt": {"tau": 1.5, "tau_all_anchors": 1.4, "slot_accuracy": [0.4, 0.2]}}
     table = heldout_tau.table([{"drafter": "d", "sets": sets, "tau": 1.5, "interval": (1.45, 1.55)}]).splitlines()
-    assert table[2] == "| d | 1.500 | 1.500 (1.450-1.550) | 1.400 | 0.400 |"
+    assert table[2] == "| d | 1.500 | 1.500 (1.450-1.550) | 1.400 | 0.400 |  |"
+
+
+def test_heldout_tau_paired_difference(heldout_tau):
+    reference = [[1, 1, 1], [2, 1], [1, 1, 1, 1]]
+    better = [[2, 1], [3], [2, 2]]  # every prompt gains
+    difference, (low, high) = heldout_tau.paired_difference(better, reference)
+    assert difference == pytest.approx(10 / 5 - 10 / 9)  # the same 10 tokens in 5 steps instead of 9
+    assert 0 < low <= difference <= high
+    assert heldout_tau.paired_difference(reference, reference) == (0.0, (0.0, 0.0))
+    with pytest.raises(ValueError, match="same prompts"):
+        heldout_tau.paired_difference(better[:2], reference)
+    sets = {"mt": {"tau": 1.0, "tau_all_anchors": 1.0, "slot_accuracy": [0.1]}}
+    rows = [
+        {"drafter": name, "sets": sets, "tau": 1.0, "interval": (1.0, 1.0), "acceptance_lengths": lengths}
+        for name, lengths in (("ref", reference), ("new", better))
+    ]
+    assert heldout_tau.table(rows).splitlines()[3].endswith(f"| {difference:+.3f} ({low:+.3f} to {high:+.3f}) |")
