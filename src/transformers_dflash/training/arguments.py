@@ -28,8 +28,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         default=None,
         nargs="+",
         help="features folder(s) of the target's own greedy answers to held-out prompts (`dflash regenerate "
-        "--prompts mtbench`, then `dflash features`): each validation also replays greedy decoding over all of them "
-        "(`val_replay_tau` in log.jsonl), seconds instead of the minutes decoding takes",
+        "--prompts mtbench`, then `dflash features --dtype float32`): each validation also replays greedy decoding "
+        "with whole blocks over every one of them (`val_replay_tau` in log.jsonl), without decoding",
     )
     shape = DRAFTER_DEFAULTS
     parser.add_argument(
