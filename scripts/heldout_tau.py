@@ -80,6 +80,7 @@ def evaluate(target, drafter_path: str, features: list[Path]) -> dict:
             "tau": replay["tau"],
             "interval": bootstrap_interval(replay["acceptance_lengths"]),
             "tau_all_anchors": replay["tau_all_anchors"],
+            "anchors": replay["anchors"],
             "slot_accuracy": replay["slot_accuracy"],
             "prompts": len(replay["acceptance_lengths"]),
         }
@@ -95,8 +96,10 @@ def table(results: list[dict]) -> str:
     lines = [header, "|---|" + "---:|" * (len(names) + 4)]
     for r in results:
         sets = [r["sets"][n] for n in names]
-        anchors = sum(s["tau_all_anchors"] for s in sets) / len(sets)
-        slot1 = sum(s["slot_accuracy"][0] for s in sets) / len(sets)
+        # pooled over every anchor of every set (older --json files without anchor counts: the sets' mean)
+        weights = [s.get("anchors", 1) for s in sets]
+        anchors = sum(s["tau_all_anchors"] * w for s, w in zip(sets, weights)) / sum(weights)
+        slot1 = sum(s["slot_accuracy"][0] * w for s, w in zip(sets, weights)) / sum(weights)  # slot 1: every anchor
         low, high = r["interval"]
         lines.append(
             f"| {r['drafter']} | "

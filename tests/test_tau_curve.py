@@ -129,3 +129,12 @@ def test_heldout_tau_paired_difference(heldout_tau):
         for name, lengths in (("ref", reference), ("new", better))
     ]
     assert heldout_tau.table(rows).splitlines()[3].endswith(f"| {difference:+.3f} ({low:+.3f} to {high:+.3f}) |")
+
+
+def test_heldout_tau_pools_anchors_over_sets(heldout_tau):
+    sets = {
+        "mt": {"tau": 1.5, "tau_all_anchors": 1.2, "slot_accuracy": [0.2], "anchors": 300},
+        "he": {"tau": 1.5, "tau_all_anchors": 1.6, "slot_accuracy": [0.4], "anchors": 100},
+    }
+    row = heldout_tau.table([{"drafter": "d", "sets": sets, "tau": 1.5, "interval": (1.4, 1.6)}]).splitlines()[2]
+    assert "| 1.300 | 0.250 |" in row  # (300 x 1.2 + 100 x 1.6) / 400 anchors; (300 x 0.2 + 100 x 0.4) / 400

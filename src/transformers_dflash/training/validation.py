@@ -49,7 +49,7 @@ def replay_acceptance(target: nn.Module, drafter: nn.Module, examples, anchors_p
 
     Returns `tau` (tokens per target forward, bonus included, pooled over examples: what `generate()` reports),
     `tau_all_anchors` (1 + the mean accepted drafts of a block at every response position: lower variance),
-    `slot_accuracy` (per draft slot, among labelled slots), `steps`, and `acceptance_lengths`: per example, the tokens
+    `slot_accuracy` (per draft slot, among labelled slots), `steps`, `anchors` (blocks drafted), and `acceptance_lengths`: per example, the tokens
     each replayed step committed (`drafter.last_acceptance_lengths[1:]` of the decoding it replays).
     """
     from ..candidate_generator import DraftHead
@@ -109,6 +109,7 @@ def replay_acceptance(target: nn.Module, drafter: nn.Module, examples, anchors_p
         "tau_all_anchors": 1 + accepted_sum / num_anchors if num_anchors else float("nan"),
         "slot_accuracy": (slot_correct / slot_total.clamp(min=1)).tolist(),
         "steps": steps,
+        "anchors": num_anchors,
         "acceptance_lengths": per_example,
     }
 
