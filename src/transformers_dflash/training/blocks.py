@@ -59,6 +59,16 @@ def build_block_attention_mask(anchors: torch.LongTensor, seq_len: int, block_si
     return torch.cat([sees_context, sees_block], dim=2)[:, None]
 
 
+def follows_target_path(text: torch.LongTensor, choices: torch.LongTensor) -> torch.BoolTensor:
+    """Which draft slots have a verifiable context in the data: `text` and `choices` `[..., n]` are the data's tokens
+    and the target's greedy choices at draft slots 1..n of blocks. Slot k is verified after the drafts of slots
+    1..k-1, so the data shows what verification would see there only while every text token before it (after the
+    anchor) equals the target's choice; the first slot always counts."""
+    on_path = torch.ones_like(text, dtype=torch.bool)
+    on_path[..., 1:] = (text == choices)[..., :-1].long().cumprod(-1).bool()
+    return on_path
+
+
 def default_gamma(block_size: int) -> float:
     """The loss decay of the paper: 4 for block size 8, 5 for 10, 7 for 16.
 

@@ -5,7 +5,13 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .blocks import block_position_ids, build_block_attention_mask, loss_weights, sample_anchors
+from .blocks import (
+    block_position_ids,
+    build_block_attention_mask,
+    follows_target_path,
+    loss_weights,
+    sample_anchors,
+)
 from .features import target_features_and_choices
 
 LABEL_RULES = ("auto", "target", "text")
@@ -121,11 +127,9 @@ def dflash_loss(
     labelled = labelled & anchor_valid[:, :, None] & (slots > 0)
     if use_target:
         block_labels = target_ids.gather(1, label_positions).view(batch, num_blocks, block_size)
-        # Slot k is verified after the drafts of slots 1 .. k-1; the data shows that context only while its text
-        # follows the target's greedy path, so a slot counts while every text token before it (after the anchor)
-        # equals the target's choice. The first slot that leaves the path still learns the target's choice.
-        on_path = (block_labels == text_labels)[:, :, 1:-1].long().cumprod(-1).bool()
-        labelled[:, :, 2:] &= on_path
+        # A slot counts while the text before it follows the target's greedy path; the first slot that leaves the
+        # path still learns the target's choice.
+        labelled[:, :, 1:] &= follows_target_path(text_labels[:, :, 1:], block_labels[:, :, 1:])
     else:
         block_labels = text_labels
 

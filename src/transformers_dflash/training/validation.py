@@ -49,10 +49,12 @@ def replay_acceptance(target: nn.Module, drafter: nn.Module, examples, anchors_p
 
     Returns `tau` (tokens per target forward, bonus included, pooled over examples: what `generate()` reports),
     `tau_all_anchors` (1 + the mean accepted drafts of a block at every response position: lower variance),
-    `slot_accuracy` (per draft slot, among labelled slots), `steps`, `anchors` (blocks drafted), and `acceptance_lengths`: per example, the tokens
-    each replayed step committed (`drafter.last_acceptance_lengths[1:]` of the decoding it replays).
+    `slot_accuracy` (per draft slot, among labelled slots), `steps`, `anchors` (blocks drafted), and
+    `acceptance_lengths`: per example, the tokens each replayed step committed (`drafter.last_acceptance_lengths[1:]`
+    of the decoding it replays).
     """
     from ..candidate_generator import DraftHead
+    from .blocks import follows_target_path
 
     was_training = drafter.training
     drafter.eval()
@@ -86,8 +88,7 @@ def replay_acceptance(target: nn.Module, drafter: nn.Module, examples, anchors_p
             positions = (anchors[0][:, None] + slots[1:]).clamp(max=seq_len - 1)
             exists = anchors[0][:, None] + slots[1:] < seq_len
             labels = target_ids[positions]
-            on_path = torch.ones_like(exists)
-            on_path[:, 1:] = (input_ids[positions] == labels)[:, :-1].cumprod(-1).bool()
+            on_path = follows_target_path(input_ids[positions], labels)  # the training label rule
             correct = (drafts == labels) & exists & on_path
             accepted = correct.long().cumprod(-1).sum(-1)  # [anchors]
             labelled = exists & on_path
