@@ -80,6 +80,24 @@ def test_summarize_rows():
     assert (1.0, "all", "fast") in rows
 
 
+def test_speedup_per_repeat_pairs_each_repeat_with_the_baseline_runs_beside_it():
+    def run(method, seconds, repeat, index=0):
+        return Sample(method, "d", 0.0, index, repeat, 10, 20, seconds, [1, 2] if method != "baseline" else None)
+
+    samples = [run("baseline", 2.0, k) for k in range(3)] + [run("baseline", 2.0, k, index=1) for k in range(3)]
+    samples += [run("fast", s, k) for k, s in enumerate((1.0, 0.5, 2.0))]
+    samples += [run("fast", 1.0, k, index=1) for k in range(3)]
+    samples += [run("other", 2.0, k) for k in range(3)] + [run("other", 2.0, k, index=1) for k in range(3)]
+    rows = {r["method"]: r for r in bench.summarize(samples)}
+    # repeat k: 40 tokens in (seconds of prompt 0 + 1 s) against 40 tokens in 4 s
+    assert rows["fast"]["speedup_per_repeat"] == pytest.approx([2.0, 4 / 1.5, 4 / 3])
+    assert rows["baseline"]["speedup_per_repeat"] == [1.0, 1.0, 1.0]
+    assert bench.median_and_range(rows["fast"]["speedup_per_repeat"]) == pytest.approx((2.0, 4 / 3, 4 / 1.5))
+    assert all(math.isnan(v) for v in bench.median_and_range([math.nan]))
+    (ratio,) = bench.relative_rate(list(rows.values()), "fast", "other")
+    assert ratio["ratio_per_repeat"] == pytest.approx([2.0, 4 / 1.5, 4 / 3])
+
+
 def test_relative_rate():
     rows = bench.summarize(
         [_sample("baseline", 2.0, 20), _sample("dflash", 1.0, 20, [1, 2]), _sample("builtin_dflash", 1.5, 20, [1, 2])]

@@ -513,6 +513,47 @@ def test_bench_chat_template_kwargs_reach_every_prompt_and_the_report(tmp_path, 
         cli.main([*args[:2], str(bare_dir), *args[3:], *no_thinking])
 
 
+def test_bench_compare_drafter_runs_both_drafters_interleaved_with_per_repeat_spread(tmp_path, capsys):
+    tokenizer = tiny_tokenizer()
+    target = tiny_target(tokenizer)
+    model_dir, first, second = tmp_path / "tiny-target", tmp_path / "first", tmp_path / "second"
+    target.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    for seed, folder in ((1, first), (2, second)):
+        torch.manual_seed(seed)
+        DFlashDraftModel.from_target(target, num_layers=1, block_size=4).save_pretrained(folder)
+    dataset = tmp_path / "sky.jsonl"
+    dataset.write_text(json.dumps({"prompt": "why is the sky blue"}) + "\n")
+    out = tmp_path / "out"
+    args = ["bench", "--target", str(model_dir), "--dataset", str(dataset), "--drafter", str(first)]
+    args += ["--methods", "dflash_defaults", "--temperatures", "0", "--max-new-tokens", "6", "--warmup", "0"]
+    args += ["--repeats", "3", "--threads", "1", "--no-progress", "--device", "cpu", "--output-dir", str(out)]
+
+    assert cli.main(args + ["--compare-drafter", str(second)]) == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert report["settings"]["methods"] == ["baseline", "dflash_defaults", "dflash_defaults:second"]
+    assert report["mismatches"] == []
+    # the repeats interleave: every prompt's k-th run of each method lies between the others' k-th and (k+1)-th
+    order = [(s["repeat"], s["method"]) for s in report["samples"]]
+    assert [r for r, _ in order] == sorted(r for r, _ in order)
+    rows = {r["method"]: r for r in report["summary"]}
+    assert [len(r["speedup_per_repeat"]) for r in rows.values()] == [3, 3, 3]
+    assert rows["baseline"]["speedup_per_repeat"] == [1.0, 1.0, 1.0]
+    (comparison,) = report["comparisons"]
+    assert (comparison["method"], comparison["other"]) == ("dflash_defaults:second", "dflash_defaults")
+    (paired,) = comparison["rows"]
+    ours, theirs = rows["dflash_defaults:second"]["speedup_per_repeat"], rows["dflash_defaults"]["speedup_per_repeat"]
+    assert paired["ratio_per_repeat"] == pytest.approx([a / b for a, b in zip(ours, theirs)])
+    markdown = (out / "bench.md").read_text()
+    assert "speedup per repeat: median (min-max)" in markdown and f"drafter {second}" in markdown
+    capsys.readouterr()
+
+    with pytest.raises(SystemExit, match="--compare-drafter .*nowhere: no drafter there"):
+        cli.main(args + ["--compare-drafter", str(tmp_path / "nowhere")])
+    with pytest.raises(SystemExit, match="--compare-drafter needs the per-prompt benchmark"):
+        cli.main(["bench", "--quick", "--threads", "1", "--compare-drafter", str(second)])
+
+
 # ------------------------------------------------------------------------------------- an instant, documented CLI
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -131,6 +132,19 @@ def find_mismatches(samples: Iterable[Sample], baseline: str = "baseline") -> li
     return mismatches
 
 
+def _rate(runs: Sequence[Sample]) -> float:
+    """Total new tokens over total seconds of `runs` (NaN for none)."""
+    return tokens_per_second(sum(s.new_tokens for s in runs), sum(s.seconds for s in runs))
+
+
+def median_and_range(values: Sequence[float]) -> tuple[float, float, float]:
+    """(median, min, max) of the finite values (NaNs when there are none)."""
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return math.nan, math.nan, math.nan
+    return statistics.median(finite), min(finite), max(finite)
+
+
 def summarize(
     samples: Sequence[Sample],
     baseline: str = "baseline",
@@ -141,7 +155,9 @@ def summarize(
 
     Rates are totals over the runs (total new tokens / total seconds), so long answers weigh more, as in a serving
     log. speedup is relative to the baseline row of the same temperature and dataset; tau, its histogram and r pool
-    the verification steps of all runs (baseline: tau = 1 by definition).
+    the verification steps of all runs (baseline: tau = 1 by definition). speedup_per_repeat has the same ratio per
+    repeat index (repeat k of every prompt against the baseline's repeat k, which ran beside it), so that its median
+    and range show how far machine noise moves the pooled figure.
     """
     mismatches = find_mismatches(samples, baseline) if mismatches is None else mismatches
     temperatures = sorted({s.temperature for s in samples})
@@ -161,7 +177,8 @@ def summarize(
             ]
 
         base = pick(baseline)
-        base_rate = tokens_per_second(sum(s.new_tokens for s in base), sum(s.seconds for s in base))
+        base_rate = _rate(base)
+        repeats = sorted({s.repeat for s in base})
         for method in methods:
             runs = pick(method)
             if not runs:
@@ -169,6 +186,10 @@ def summarize(
             tokens, seconds = sum(s.new_tokens for s in runs), sum(s.seconds for s in runs)
             rate = tokens_per_second(tokens, seconds)
             gain = speedup(rate, base_rate)
+            per_repeat = [
+                speedup(_rate([s for s in runs if s.repeat == k]), _rate([s for s in base if s.repeat == k]))
+                for k in repeats
+            ]
             if method == baseline:
                 tau, histogram = 1.0, ({1: tokens} if tokens else {})
             elif all(s.acceptance is not None for s in runs):
@@ -188,6 +209,7 @@ def summarize(
                     "tokens_per_s": rate,
                     "tpot_ms": time_per_output_token_ms(tokens, seconds),
                     "speedup": gain,
+                    "speedup_per_repeat": per_repeat,
                     "tau": tau,
                     "acceptance_histogram": histogram,
                     "r": overhead_ratio(tau, gain),
@@ -202,18 +224,22 @@ def summarize(
 
 
 def relative_rate(rows: Sequence[dict], method: str, other: str) -> list[dict]:
-    """`method`'s token rate over `other`'s, per (temperature, dataset) where both ran (e.g. ours vs built-in)."""
+    """`method`'s token rate over `other`'s, per (temperature, dataset) where both ran (e.g. ours vs built-in), pooled
+    and per repeat."""
     index = {(r["temperature"], r["dataset"], r["method"]): r for r in rows}
     out = []
     for (temperature, dataset, name), row in index.items():
         if name != method or (temperature, dataset, other) not in index:
             continue
         other_row = index[(temperature, dataset, other)]
+        # both speedups of repeat k share the baseline's k-th runs, so their ratio is the paired rate ratio
+        paired = zip(row.get("speedup_per_repeat") or [], other_row.get("speedup_per_repeat") or [])
         out.append(
             {
                 "temperature": temperature,
                 "dataset": dataset,
                 "ratio": speedup(row["tokens_per_s"], other_row["tokens_per_s"]),
+                "ratio_per_repeat": [speedup(a, b) for a, b in paired],
                 "tau": row["tau"],
                 "other_tau": other_row["tau"],
             }

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from .metrics import median_and_range
+
 
 def _git_commit() -> dict:
     here = Path(__file__).resolve().parent
@@ -117,21 +119,28 @@ def format_markdown(report: Mapping[str, Any]) -> str:
     for note in report.get("notes", []):
         lines += [f"> **Note.** {note}", ""]
     rows = report["summary"]
+    per_repeat = settings.get("repeats", 1) > 1
     for temperature in sorted({r["temperature"] for r in rows}):
         kind = "greedy" if temperature == 0 else "sampling"
         lines += [
             f"### Temperature {temperature:g} ({kind})",
             "",
-            "| dataset | method | tokens/s | TPOT (ms) | speedup | tau | r = tau/speedup | new tokens | mismatches |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+            "| dataset | method | tokens/s | TPOT (ms) | speedup |"
+            + (" speedup per repeat: median (min-max) |" if per_repeat else "")
+            + " tau | r = tau/speedup | new tokens | mismatches |",
+            "|---|---|---:|---:|---:|" + ("---:|" if per_repeat else "") + "---:|---:|---:|---:|",
         ]
         for r in rows:
             if r["temperature"] != temperature:
                 continue
             mismatch = "-" if temperature > 0 else str(r["mismatches"])
+            spread = ""
+            if per_repeat:
+                median, low, high = median_and_range(r.get("speedup_per_repeat") or [])
+                spread = f" {fmt(median, '.2f')}x ({fmt(low, '.2f')}-{fmt(high, '.2f')}) |"
             lines.append(
                 f"| {r['dataset']} | {labels.get(r['method'], r['method'])} | {fmt(r['tokens_per_s'], '.1f')} | "
-                f"{fmt(r['tpot_ms'], '.1f')} | {fmt(r['speedup'], '.2f')}x | {fmt(r['tau'], '.2f')} | "
+                f"{fmt(r['tpot_ms'], '.1f')} | {fmt(r['speedup'], '.2f')}x |{spread} {fmt(r['tau'], '.2f')} | "
                 f"{fmt(r['r'], '.2f')} | {r['new_tokens']} | {mismatch} |"
             )
         lines.append("")
@@ -140,13 +149,19 @@ def format_markdown(report: Mapping[str, Any]) -> str:
         lines += [
             f"### {ours} vs {other}" + (" (same drafter weights)" if comparison["other"] == "builtin_dflash" else ""),
             "",
-            f"| temperature | dataset | tokens/s ratio | tau {comparison['method']} | tau {comparison['other']} |",
-            "|---:|---|---:|---:|---:|",
+            "| temperature | dataset | tokens/s ratio |"
+            + (" per repeat: median (min-max) |" if per_repeat else "")
+            + f" tau {comparison['method']} | tau {comparison['other']} |",
+            "|---:|---|---:|" + ("---:|" if per_repeat else "") + "---:|---:|",
         ]
         for c in comparison["rows"]:
+            spread = ""
+            if per_repeat:
+                median, low, high = median_and_range(c.get("ratio_per_repeat") or [])
+                spread = f" {fmt(median, '.2f')}x ({fmt(low, '.2f')}-{fmt(high, '.2f')}) |"
             lines.append(
-                f"| {c['temperature']:g} | {c['dataset']} | {fmt(c['ratio'], '.2f')}x | {fmt(c['tau'], '.2f')} | "
-                f"{fmt(c['other_tau'], '.2f')} |"
+                f"| {c['temperature']:g} | {c['dataset']} | {fmt(c['ratio'], '.2f')}x |{spread} "
+                f"{fmt(c['tau'], '.2f')} | {fmt(c['other_tau'], '.2f')} |"
             )
         lines.append("")
     hist_rows = [
@@ -225,7 +240,13 @@ def format_markdown(report: Mapping[str, Any]) -> str:
     lines += [
         "tokens/s and TPOT: total new tokens over total wall time (prefill included). speedup: tokens/s over plain "
         "generate()'s. tau: mean tokens committed per target forward after the prefill. r = tau / speedup: the cost "
-        "of one speculative step in plain decoding steps (1.0 = no overhead).",
+        "of one speculative step in plain decoding steps (1.0 = no overhead)."
+        + (
+            " speedup per repeat: the same ratio for each repeat k (every prompt's k-th run against plain "
+            "generate()'s k-th run, timed beside it), median and range over the repeats."
+            if per_repeat
+            else ""
+        ),
         "",
     ]
     return "\n".join(lines)

@@ -51,6 +51,15 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help=f"a DFlash drafter folder (default: {SHIPPED_DRAFTER} if present, else an UNTRAINED drafter)",
     )
     parser.add_argument(
+        "--compare-drafter",
+        action="append",
+        default=None,
+        metavar="DIR",
+        help="another drafter folder for the same target, run at its defaults beside --drafter's "
+        "(method dflash_defaults:<folder name>, interleaved with the others and compared with dflash_defaults); "
+        "repeat the option for several",
+    )
+    parser.add_argument(
         "--block-size", type=int, default=None, help="block size (default: the drafter's; 16 untrained)"
     )
     parser.add_argument("--drafter-layers", type=int, default=1, help="layers of an untrained drafter")
@@ -239,6 +248,17 @@ def run_bench(args: argparse.Namespace) -> int:
             "dflash bench: --chat-template-kwargs has no effect with --quick, whose prompts are random token ids "
             "(no chat template is applied); leave it out, or benchmark a --target with a chat template."
         )
+    if args.compare_drafter and (args.quick or args.batch_sizes or args.linear_kernels):
+        raise SystemExit(
+            "dflash bench: --compare-drafter needs the per-prompt benchmark of a real target; leave out --quick, "
+            "--batch-sizes and --linear-kernels."
+        )
+    for path in args.compare_drafter or []:
+        if not (Path(path) / "config.json").is_file():
+            raise SystemExit(
+                f"dflash bench: --compare-drafter {path}: no drafter there (no config.json); give a folder that "
+                "`dflash train` or `dflash export` wrote."
+            )
     if args.quick:
         target, drafter, datasets = _quick_models(dtype, device, args.block_size)
         datasets = {k: v[: args.num_prompts] for k, v in datasets.items()}
@@ -309,15 +329,18 @@ def _run_single_stream_command(
     settings,
 ) -> int:
     """`dflash bench`: every method on every prompt, one prompt per call; the report as JSON, Markdown and PNG."""
+    from ..bench.metrics import relative_rate
     from ..bench.report import format_markdown, write_report
     from ..bench.single_stream import run_benchmark
 
+    compared = _compared_drafters(args, target)
     report = run_benchmark(
         target,
         drafter,
         datasets=datasets,
         tokenizer=tokenizer,
         methods=methods,
+        extra_methods=compared,
         temperatures=temperatures,
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats,
@@ -335,10 +358,34 @@ def _run_single_stream_command(
         settings=settings,
         chat_template_kwargs=args.chat_template_kwargs,
     )
+    for method in compared:
+        rows = relative_rate(report["summary"], method.name, "dflash_defaults")
+        if rows:
+            report["comparisons"].append({"method": method.name, "other": "dflash_defaults", "rows": rows})
     paths = write_report(report, args.output_dir, args.name)
     print(format_markdown(report))
     print("Wrote " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)
     return 0
+
+
+def _compared_drafters(args, target) -> list:
+    """Each `--compare-drafter` folder's drafter at its defaults, as a method named after the folder."""
+    from ..bench.methods import Method, build_methods
+    from ..runtime import load_drafter
+
+    methods = []
+    for path in args.compare_drafter or []:
+        drafter, description, _ = load_drafter(target, path, args.block_size, attn=args.attn_implementation)
+        built, skipped = build_methods(target, drafter, ["dflash_defaults"])
+        if skipped:
+            raise SystemExit(f"dflash bench: --compare-drafter {path}: {skipped['dflash_defaults']}.")
+        name = f"dflash_defaults:{Path(path).name}"
+        taken = {m.name for m in methods} | {"dflash_defaults"}
+        if name in taken:
+            name = f"{name}#{len(methods) + 1}"
+        (method,) = built
+        methods.append(Method(name, f"{method.label}, drafter {path}", method.generate, description))
+    return methods
 
 
 def _environment_header(env: dict, what: str, *lines: str) -> str:
