@@ -238,6 +238,19 @@ def test_features_report_a_full_disk_as_an_error_of_the_command(tmp_path, monkey
     assert "dflash features: error: [Errno 28] shard-00000.pt needs about" in err and "Traceback" not in err
 
 
+def test_features_command_without_progress_bar(tmp_path, monkeypatch, capsys):
+    from transformers_dflash.cli import main
+
+    target = tiny_target()
+    write_shards(tmp_path / "data", target, num_examples=4, per_shard=4)
+    monkeypatch.setattr("transformers_dflash.training.arguments.load_target", lambda name, dtype: target)
+    argv = ["features", "--target", "tiny", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "features")]
+    argv += ["--target-layer-ids", "1", "2", "--no-progress"]
+    assert main(argv) == 0
+    assert (tmp_path / "features" / "shard-00000.pt").is_file()
+    assert "features:" not in capsys.readouterr().err  # tqdm's bar, drawn on stderr, is off
+
+
 def test_features_follow_a_regeneration_until_it_is_complete(tmp_path, monkeypatch):
     from transformers_dflash.training import features as features_module
 

@@ -154,6 +154,7 @@ def add_features_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
         "lands, and stop when the regeneration is complete",
     )
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (e.g. for a log file)")
     return parser
 
 
@@ -181,6 +182,7 @@ def run_features(args: argparse.Namespace) -> int:
         getattr(torch, args.dtype),
         top_k=args.top_k,
         follow=args.follow,
+        progress=not args.no_progress,
     )
     print(f"features of layers {layer_ids} in {out}; train on them with `dflash train --data {out} ...`")
     return 0
