@@ -526,11 +526,12 @@ def test_bench_compare_drafter_runs_both_drafters_interleaved_with_per_repeat_sp
     dataset.write_text(json.dumps({"prompt": "why is the sky blue"}) + "\n")
     out = tmp_path / "out"
     args = ["bench", "--target", str(model_dir), "--dataset", str(dataset), "--drafter", str(first)]
-    args += ["--methods", "dflash_defaults", "--temperatures", "0", "--max-new-tokens", "6", "--warmup", "0"]
+    args += ["--methods", "baseline", "--temperatures", "0", "--max-new-tokens", "6", "--warmup", "0"]
     args += ["--repeats", "3", "--threads", "1", "--no-progress", "--device", "cpu", "--output-dir", str(out)]
 
     assert cli.main(args + ["--compare-drafter", str(second)]) == 0
     report = json.loads((out / "bench.json").read_text())
+    # dflash_defaults, which the other drafter is compared with, is added to the methods asked for
     assert report["settings"]["methods"] == ["baseline", "dflash_defaults", "dflash_defaults:second"]
     assert report["mismatches"] == []
     # the repeats interleave: every prompt's k-th run of each method lies between the others' k-th and (k+1)-th

@@ -56,8 +56,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         default=None,
         metavar="DIR",
         help="another drafter folder for the same target, run at its defaults beside --drafter's "
-        "(method dflash_defaults:<folder name>, interleaved with the others and compared with dflash_defaults); "
-        "repeat the option for several",
+        "(method dflash_defaults:<folder name>, interleaved with the others and compared with dflash_defaults, "
+        "which is added to --methods); repeat the option for several",
     )
     parser.add_argument(
         "--block-size", type=int, default=None, help="block size (default: the drafter's; 16 untrained)"
@@ -241,6 +241,8 @@ def run_bench(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise SystemExit(f"dflash bench: --draft-length: {error}") from None
     methods = _requested_methods(args)
+    if args.compare_drafter and "dflash_defaults" not in methods:
+        methods.append("dflash_defaults")  # what the other drafters are compared with
 
     tokenizer, assistant, prompt_indices = None, None, {}
     if args.quick and args.chat_template_kwargs:
