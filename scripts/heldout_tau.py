@@ -34,22 +34,22 @@ def pooled_tau(per_example: list[list[int]]) -> float:
     return sum(steps) / len(steps) if steps else float("nan")
 
 
+def _bootstrap(items: list, statistic, resamples: int, seed: int) -> tuple[float, float]:
+    """95 % interval of `statistic(items)` when the items (prompts) are resampled with replacement."""
+    rng = random.Random(seed)
+    values = sorted(statistic([items[rng.randrange(len(items))] for _ in items]) for _ in range(resamples))
+    return values[int(0.025 * resamples)], values[int(0.975 * resamples) - 1]
+
+
 def bootstrap_interval(per_example: list[list[int]], resamples: int = 1000, seed: int = 0) -> tuple[float, float]:
     """95 % interval of the pooled tau when the prompts are resampled with replacement."""
-    rng = random.Random(seed)
     totals = [(sum(lengths), len(lengths)) for lengths in per_example if lengths]
-    taus = []
-    for _ in range(resamples):
-        sample = [totals[rng.randrange(len(totals))] for _ in totals]
-        taus.append(sum(t for t, _ in sample) / sum(n for _, n in sample))
-    taus.sort()
-    return taus[int(0.025 * resamples)], taus[int(0.975 * resamples) - 1]
+    return _bootstrap(totals, lambda sample: sum(t for t, _ in sample) / sum(n for _, n in sample), resamples, seed)
 
 
 def paired_difference(per_example: list[list[int]], reference: list[list[int]], resamples: int = 1000, seed: int = 0):
     """Pooled tau minus the reference's on the same prompts, with a 95 % interval from resampling the prompts (the same
     resample for both drafters: far tighter than comparing their own intervals)."""
-    rng = random.Random(seed)
     pairs = [((sum(a), len(a)), (sum(b), len(b))) for a, b in zip(per_example, reference)]
     if len(per_example) != len(reference) or not pairs:
         raise ValueError("a paired difference needs the same prompts for both drafters")
@@ -59,8 +59,7 @@ def paired_difference(per_example: list[list[int]], reference: list[list[int]], 
             b[1] for _, b in sample
         )
 
-    differences = sorted(difference([pairs[rng.randrange(len(pairs))] for _ in pairs]) for _ in range(resamples))
-    return difference(pairs), (differences[int(0.025 * resamples)], differences[int(0.975 * resamples) - 1])
+    return difference(pairs), _bootstrap(pairs, difference, resamples, seed)
 
 
 def evaluate(target, drafter_path: str, features: list[Path]) -> dict:
