@@ -178,7 +178,7 @@ def summarize(
 
         base = pick(baseline)
         base_rate = _rate(base)
-        repeats = sorted({s.repeat for s in base})
+        base_rates = {k: _rate([s for s in base if s.repeat == k]) for k in sorted({s.repeat for s in base})}
         for method in methods:
             runs = pick(method)
             if not runs:
@@ -187,8 +187,7 @@ def summarize(
             rate = tokens_per_second(tokens, seconds)
             gain = speedup(rate, base_rate)
             per_repeat = [
-                speedup(_rate([s for s in runs if s.repeat == k]), _rate([s for s in base if s.repeat == k]))
-                for k in repeats
+                speedup(_rate([s for s in runs if s.repeat == k]), rate_k) for k, rate_k in base_rates.items()
             ]
             if method == baseline:
                 tau, histogram = 1.0, ({1: tokens} if tokens else {})

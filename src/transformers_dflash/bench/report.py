@@ -84,6 +84,12 @@ def fmt(value, spec: str) -> str:
     return format(value, spec)
 
 
+def _median_range_cell(ratios) -> str:
+    """A table cell (with its closing bar) of per-repeat ratios: `1.84x (1.75-2.05)`."""
+    median, low, high = median_and_range(ratios or [])
+    return f" {fmt(median, '.2f')}x ({fmt(low, '.2f')}-{fmt(high, '.2f')}) |"
+
+
 def table_section(title: str, header: str, columns: str, alignment: str, rows: list[str], footnote: str) -> str:
     """A Markdown section: `## title`, an optional header, one table (`columns` and `alignment` are its first two
     lines, `rows` the rest) and a footnote that says how to read it."""
@@ -134,10 +140,7 @@ def format_markdown(report: Mapping[str, Any]) -> str:
             if r["temperature"] != temperature:
                 continue
             mismatch = "-" if temperature > 0 else str(r["mismatches"])
-            spread = ""
-            if per_repeat:
-                median, low, high = median_and_range(r.get("speedup_per_repeat") or [])
-                spread = f" {fmt(median, '.2f')}x ({fmt(low, '.2f')}-{fmt(high, '.2f')}) |"
+            spread = _median_range_cell(r.get("speedup_per_repeat")) if per_repeat else ""
             lines.append(
                 f"| {r['dataset']} | {labels.get(r['method'], r['method'])} | {fmt(r['tokens_per_s'], '.1f')} | "
                 f"{fmt(r['tpot_ms'], '.1f')} | {fmt(r['speedup'], '.2f')}x |{spread} {fmt(r['tau'], '.2f')} | "
@@ -155,10 +158,7 @@ def format_markdown(report: Mapping[str, Any]) -> str:
             "|---:|---|---:|" + ("---:|" if per_repeat else "") + "---:|---:|",
         ]
         for c in comparison["rows"]:
-            spread = ""
-            if per_repeat:
-                median, low, high = median_and_range(c.get("ratio_per_repeat") or [])
-                spread = f" {fmt(median, '.2f')}x ({fmt(low, '.2f')}-{fmt(high, '.2f')}) |"
+            spread = _median_range_cell(c.get("ratio_per_repeat")) if per_repeat else ""
             lines.append(
                 f"| {c['temperature']:g} | {c['dataset']} | {fmt(c['ratio'], '.2f')}x |{spread} "
                 f"{fmt(c['tau'], '.2f')} | {fmt(c['other_tau'], '.2f')} |"
