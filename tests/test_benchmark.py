@@ -223,6 +223,19 @@ def test_builtin_path_proposes_exactly_our_drafts():
         assert check["steps_compared"] >= 20 and check["ours_acceptance"] == check["builtin_acceptance"]
 
 
+def test_comparisons_must_name_methods_that_run():
+    target = make_target("llama", vocab_size=97)
+    with pytest.raises(ValueError, match="comparisons must be .*baseline, dflash.*which names nowhere"):
+        bench.run_benchmark(
+            target,
+            make_drafter(target, num_layers=1, block_size=4),
+            datasets={"tiny": [[5, 6, 7]]},
+            methods=["dflash"],
+            comparisons=[("dflash", "nowhere")],
+            progress=False,
+        )
+
+
 def test_quick_run_flags_injected_mismatch_and_writes_reports(tmp_path):
     # EOS is an extra vocabulary row whose logit is always 0: greedy runs never stop early. (eos_token_id=None would
     # do too, but prompt lookup in transformers 4.57 crashes without an EOS id.)
@@ -244,6 +257,7 @@ def test_quick_run_flags_injected_mismatch_and_writes_reports(tmp_path):
         datasets={"tiny": prompts},
         methods=bench.DEFAULT_METHODS,
         extra_methods=[Method("wrong", "broken method", wrong)],
+        comparisons=[("wrong", "dflash")],
         temperatures=(0.0, 1.0),
         max_new_tokens=12,
         progress=False,
@@ -258,6 +272,9 @@ def test_quick_run_flags_injected_mismatch_and_writes_reports(tmp_path):
     for method in ("dflash", "dflash_adaptive", "prompt_lookup") + (("builtin_dflash",) if BUILTIN else ()):
         assert rows[(0.0, method)]["tau"] >= 1.0 and rows[(0.0, method)]["r"] > 0
         assert sum(rows[(0.0, method)]["acceptance_histogram"].values()) > 0
+    asked = [c for c in report["comparisons"] if (c["method"], c["other"]) == ("wrong", "dflash")]
+    assert len(asked) == 1 and {r["temperature"] for r in asked[0]["rows"]} == {0.0, 1.0}
+    assert asked[0]["rows"] == bench.relative_rate(report["summary"], "wrong", "dflash")
     if BUILTIN:
         assert report["draft_check"]["all_equal"]
         assert {(c["method"], c["other"]) for c in report["comparisons"]} >= {("dflash", "builtin_dflash")}

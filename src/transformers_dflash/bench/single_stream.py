@@ -142,6 +142,14 @@ def _notes(drafter, drafter_trained, mismatches, builtin_drafter, skipped) -> li
     return notes
 
 
+# Compared head to head whenever both run: ours against the built-in path and against prompt lookup.
+_BUILTIN_COMPARISONS = [
+    (ours, other)
+    for other in ("builtin_dflash", "prompt_lookup")
+    for ours in ("dflash", "dflash_adaptive", "dflash_lookup")
+]
+
+
 def run_benchmark(
     target,
     drafter=None,
@@ -150,6 +158,7 @@ def run_benchmark(
     tokenizer=None,
     methods: Sequence[str] = DEFAULT_METHODS,
     extra_methods: Sequence[Method] = (),
+    comparisons: Sequence[tuple[str, str]] = (),
     temperatures: Sequence[float] = (0.0, 1.0),
     max_new_tokens: int = 64,
     repeats: int = 1,
@@ -174,6 +183,8 @@ def run_benchmark(
     `chat_template_kwargs` such as `{"enable_thinking": False}` as its extra variables) or token ids.
     methods: names among `DEFAULT_METHODS + OPTIONAL_METHODS`; `baseline` is always run (speedups need it).
     extra_methods: more `Method`s (e.g. your own decoding loop), timed and checked like the others.
+    comparisons: `(method, other)` name pairs to compare head to head (`relative_rate`: pooled and per repeat), beside
+    the built-in ones (ours against the built-in path and prompt lookup); e.g. `[("mine", "dflash")]`.
     Per temperature, every method first runs `warmup` untimed times on the first prompt; then, prompt by prompt,
     each method runs `repeats` timed times, interleaved, in an order rotated from prompt to prompt. Sampling
     (temperature > 0: pure sampling, top_k=0, top_p=1) reseeds torch with the same seed for every method.
@@ -200,6 +211,13 @@ def run_benchmark(
     taken = [m.name for m in method_list]
     if len(set(taken)) != len(taken):
         raise ValueError(f"method names must be unique, got {taken}")
+    comparisons = [tuple(pair) for pair in comparisons]
+    unknown = sorted({name for pair in comparisons for name in pair} - set(taken))
+    if unknown or any(len(pair) != 2 for pair in comparisons):
+        raise ValueError(
+            f"comparisons must be (method, other) pairs of the methods that run ({', '.join(taken)}); "
+            f"got {comparisons}" + (f", which names {', '.join(unknown)}" if unknown else "")
+        )
 
     device = next(target.parameters()).device
     pad_token_id = _pad_token_id(tokenizer, target)
@@ -290,8 +308,7 @@ def run_benchmark(
         "summary": rows,
         "comparisons": [
             {"method": ours, "other": other, "rows": relative_rate(rows, ours, other)}
-            for other in ("builtin_dflash", "prompt_lookup")
-            for ours in ("dflash", "dflash_adaptive", "dflash_lookup")
+            for ours, other in _BUILTIN_COMPARISONS + [pair for pair in comparisons if pair not in _BUILTIN_COMPARISONS]
             if relative_rate(rows, ours, other)
         ],
         "draft_check": draft_check,
