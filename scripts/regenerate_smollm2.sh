@@ -6,9 +6,10 @@
 # Usage: bash scripts/regenerate_smollm2.sh   (starts it in the background, prints the PID; the first llamacpp start
 #   waits for llama-server to build)
 # Settings (environment): ENGINE (llamacpp or ctranslate2), OUT, LOG, PYTHON, THREADS, COMPUTE_TYPE, NUM_COMPOSED,
+#   SHARD_SIZE (prompts per shard, 64: the unit of resuming, so an interruption loses at most one shard's answers),
 #   SKIP_PROMPTS (leave out the first N prompts: another run answered them), PORT (llama.cpp's server),
 #   FEATURES (a folder: run `dflash features --follow` on the shards as they land, log in $FEATURES.log).
-# Progress: one line per finished shard (256 prompts) in $LOG, and $OUT/manifest.json (shards_done, totals).
+# Progress: one line per finished shard in $LOG, and $OUT/manifest.json (shards_done, totals).
 #
 # Engines (docs/data-engines.md): llamacpp = llama.cpp's server on the target's Q4_1 GGUF
 # (scripts/llama_server_smollm2.sh, started here when it is not running), measured 2.5-2.9x CTranslate2 float32 on
@@ -25,11 +26,13 @@ port=${PORT:-8080}
 # 26000 composed + ~8.1K ShareGPT prompts = 33909 training prompts after dedupe and the validation hold-out.
 num_composed=${NUM_COMPOSED:-26000}
 skip=${SKIP_PROMPTS:-0}
+# Shards of 256 took hours at nice 19 beside other work, and a session that ended 1 answer short of a shard lost 255.
+shard_size=${SHARD_SIZE:-64}
 mkdir -p "$(dirname "$log")"
 cd "$repo"
 export HF_HUB_OFFLINE=1 PYTHONPATH="$repo/src"
 common=(--target smollm2 --prompts train --num-composed "$num_composed" --skip-prompts "$skip" --out "$out"
-  --max-new-tokens 256 --shard-size 256 --no-progress)
+  --max-new-tokens 256 --shard-size "$shard_size" --no-progress)
 case "$engine" in
   llamacpp)
     url="http://127.0.0.1:$port"
