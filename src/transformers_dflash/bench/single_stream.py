@@ -307,9 +307,9 @@ def run_benchmark(
         "skipped": skipped,
         "summary": rows,
         "comparisons": [
-            {"method": ours, "other": other, "rows": relative_rate(rows, ours, other)}
+            {"method": ours, "other": other, "rows": found}
             for ours, other in _BUILTIN_COMPARISONS + [pair for pair in comparisons if pair not in _BUILTIN_COMPARISONS]
-            if relative_rate(rows, ours, other)
+            if (found := relative_rate(rows, ours, other))
         ],
         "draft_check": draft_check,
         "step_profile": profiles,
