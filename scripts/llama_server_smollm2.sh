@@ -5,12 +5,15 @@
 #
 # Usage: bash scripts/llama_server_smollm2.sh    then, in another shell:
 #   dflash regenerate --target smollm2 --out OUT --engine openai --server-url http://127.0.0.1:8080 --concurrency 16
-# Settings (environment): BUILD (where the build goes), PORT, THREADS, SLOTS (sequences decoded together), PYTHON.
+# Settings (environment): BUILD (where the build goes), PORT, THREADS, SLOTS (sequences decoded together), PYTHON,
+#   CACHE_RAM (MiB for llama-server's prompt cache; 0, the default here, turns it off: every prompt of a regeneration
+#   is new, and llama-server's own default of 8 GiB grew its memory from 1.4 to 7.9 GiB within two hours).
 set -euo pipefail
 build=${BUILD:-$HOME/.cache/transformers_dflash/llama.cpp}
 port=${PORT:-8080}
 threads=${THREADS:-2}
 slots=${SLOTS:-16}
+cache_ram=${CACHE_RAM:-0}
 python=${PYTHON:-python}
 version=0.3.36  # llama-cpp-python, whose sdist carries llama.cpp's sources
 server="$build/build/bin/llama-server"
@@ -26,4 +29,4 @@ fi
 gguf=$("$python" -c "from transformers_dflash.smollm2 import find_smollm2_gguf; print(find_smollm2_gguf())")
 # One context of 2,048 tokens per slot: the longest training prompt (1,024 tokens kept) plus 256 new tokens fits.
 exec "$server" -m "$gguf" --host 127.0.0.1 --port "$port" -t "$threads" -tb "$threads" -np "$slots" \
-  -c $((slots * 2048)) --no-webui
+  -c $((slots * 2048)) --cache-ram "$cache_ram" --no-webui
