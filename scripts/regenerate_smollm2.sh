@@ -8,7 +8,8 @@
 # Settings (environment): ENGINE (llamacpp or ctranslate2), OUT, LOG, PYTHON, THREADS, COMPUTE_TYPE, NUM_COMPOSED,
 #   SHARD_SIZE (prompts per shard, 64: the unit of resuming, so an interruption loses at most one shard's answers),
 #   SKIP_PROMPTS (leave out the first N prompts: another run answered them), PORT (llama.cpp's server),
-#   FEATURES (a folder: run `dflash features --follow` on the shards as they land, log in $FEATURES.log).
+#   FEATURES (a folder: run `dflash features --follow` on the shards as they land, log in $FEATURES.log; on 2 cores
+#   it slowed llama.cpp several-fold, docs/training.md, so there run `dflash features` on finished shards instead).
 # Progress: one line per finished shard in $LOG, and $OUT/manifest.json (shards_done, totals).
 #
 # Engines (docs/data-engines.md): llamacpp = llama.cpp's server on the target's Q4_1 GGUF
