@@ -195,8 +195,23 @@ def test_draft_length_policy_rules():
     auto.record(1, 0.2)
     assert auto.num_to_verify(confidence) == 0
     assert auto.step_costs(5) == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0])  # measured where it can, else the line
-    auto.record(5, 0.5)  # a measured width replaces the line's guess, widths in between are interpolated
-    assert auto.step_costs(5) == pytest.approx([0.2, 0.4, 0.4333, 0.4667, 0.5], abs=1e-3)
+    for _ in range(AutoDraftLength.TRUSTED):  # a width measured often enough replaces the line's guess, ...
+        auto.record(5, 0.5)
+    auto.record(2, 0.4)
+    auto.record(2, 0.4)
+    assert auto.step_costs(5) == pytest.approx([0.2, 0.4, 0.4333, 0.4667, 0.5], abs=1e-3)  # ... interpolated between
+    # Fewer steps of a width than that: it costs at most what the line through all steps says, so that one slow step
+    # does not make it look dear for good (it would never be chosen, so never measured again).
+    noisy = AutoDraftLength()
+    for width, seconds in [(2, 1.0)] * 10 + [(1, 0.9)] * 3 + [(3, 1.8)]:
+        noisy.record(width, seconds)
+    line = noisy._cost_line()
+    assert noisy.step_costs(3)[2] == pytest.approx(line[0] + 3 * line[1]) and noisy.step_costs(3)[2] < 1.8
+    assert noisy.num_to_verify(torch.full((1, 2), 0.9)) == 2  # so two confident drafts are verified again
+    noisy.record(3, 1.8)
+    noisy.record(3, 1.8)
+    assert noisy.step_costs(3)[2] == pytest.approx(1.8)  # measured three times: its mean, slow as it is
+    assert noisy.num_to_verify(torch.full((1, 2), 0.9)) == 1
     cheap = AutoDraftLength()
     cheap.record(2, 1.0)
     cheap.record(1, 0.99)  # nearly free extra tokens (a GPU): verify everything, untried widths included
@@ -327,7 +342,13 @@ def test_ngram_lookup_continuation_and_bad_setting():
     _, confidence = lookup.merge(
         torch.stack([tokens, tokens]), [1], [9, 9], torch.zeros(1, 0, dtype=torch.long), None, 3
     )
-    assert confidence[0].tolist() == pytest.approx([2 / 3, 4 / 9, 4 / 9])  # an untried depth inherits the one before
+    # A depth tried fewer than TRUSTED times is rated no lower than the depth before (one early rejection must not
+    # stop its copies from ever being verified again); an untried depth inherits the one before.
+    assert confidence[0].tolist() == pytest.approx([2 / 3, 2 / 3, 2 / 3])
+    for _ in range(NgramLookup.TRUSTED - 1):
+        lookup.copied = [3]
+        lookup.record([1], 3)  # the second copy rejected again: now its measured rate stands
+    assert lookup.acceptance[1] < lookup.acceptance[0] / 2
     loop = NgramLookup(2, block_size=8)
     for _ in range(10):  # a repetition loop: every copy verified so far (depths 0-1) was accepted
         loop.copied = [2]

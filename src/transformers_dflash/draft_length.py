@@ -52,7 +52,7 @@ class AutoDraftLength(FullBlock):
 
     `P_j` is the cumulative confidence of draft j, `draft` the mean measured draft time and `verify(w)` the measured
     time of verifying w tokens in this generate() call: the mean of the steps of that width, else a least-squares line
-    through all steps. The first two steps measure one draft (width 2) and no draft (width 1); wider blocks are tried
+    through all steps (and no more than the line while a width has few steps, `step_costs`). The first two steps measure one draft (width 2) and no draft (width 1); wider blocks are tried
     when the line predicts that they pay, and are then measured. Exploring from the narrow end keeps a large batch,
     where a full block costs several plain steps, from paying for it just to learn that it does not pay. A table
     rather than a line, because on CPUs one token can be much cheaper than two while two to eight cost about the same.
@@ -66,6 +66,7 @@ class AutoDraftLength(FullBlock):
     """
 
     uses_confidence = True
+    TRUSTED = 3  # steps of a width after which its measured mean cost is taken as it is (see `step_costs`)
 
     def __init__(self):
         self.samples: list[tuple[int, float]] = []  # (verified width, seconds of verify + commit + any re-feed)
@@ -107,7 +108,13 @@ class AutoDraftLength(FullBlock):
         return mean_t - slope * mean_w, slope
 
     def step_costs(self, max_width: int) -> list[float] | None:
-        """Estimated seconds of a step verifying w = 1 .. max_width tokens (None before two widths were measured)."""
+        """Estimated seconds of a step verifying w = 1 .. max_width tokens (None before two widths were measured).
+
+        A width measured at least `TRUSTED` times costs its mean; an unmeasured one is interpolated between the
+        measured widths around it, or read off the line through all steps. A width measured fewer times costs at most
+        what the line predicts: step times on a busy CPU vary by half, and one slow step would otherwise make a width
+        look dear for the rest of the call, so that it is never chosen, never measured again, and its drafts never
+        verified. Trying it again costs a step or two; it then keeps its measured cost."""
         line = self._cost_line()
         if line is None:
             return None
@@ -115,7 +122,11 @@ class AutoDraftLength(FullBlock):
         totals: dict[int, list[float]] = {}
         for w, t in self.samples:
             totals.setdefault(w, []).append(t)
-        measured = {w: sum(ts) / len(ts) for w, ts in totals.items()}
+        on_line = [max(intercept + slope * w, 1e-9) for w in range(max(max_width, *totals) + 1)]
+        measured = {
+            w: sum(ts) / len(ts) if len(ts) >= self.TRUSTED else min(sum(ts) / len(ts), on_line[w])
+            for w, ts in totals.items()
+        }
         costs = []
         for w in range(1, max_width + 1):
             below = [m for m in measured if m < w]
@@ -126,7 +137,7 @@ class AutoDraftLength(FullBlock):
                 lo, hi = max(below), min(above)
                 costs.append(measured[lo] + (measured[hi] - measured[lo]) * (w - lo) / (hi - lo))
             else:
-                costs.append(max(intercept + slope * w, 1e-9))
+                costs.append(on_line[w])
         return costs
 
     def num_to_verify(self, confidence: torch.Tensor, paid_draft: bool = True) -> int:

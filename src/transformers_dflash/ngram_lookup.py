@@ -20,6 +20,8 @@ class NgramLookup:
     off; when the drafter is skipped, copies are still proposed (they cost no drafter forward).
     """
 
+    TRUSTED = 3  # copies verified at a depth after which its measured rate is taken as it is (see `acceptance`)
+
     def __init__(self, max_ngram_size: int, block_size: int):
         self.max_ngram_size = max_ngram_size
         self.hits = [0] * block_size  # copies accepted at depth j ...
@@ -40,10 +42,12 @@ class NgramLookup:
         """The confidence given a copy at each depth: the measured rate at which a copy is accepted once the copies
         before it were, shrunk towards the rate of the depth before (1/2 for the first). An untried depth looks like
         the last tried one, so copies that keep being accepted (a repetition loop) get verified ever deeper, as prompt
-        lookup would."""
+        lookup would. A depth tried fewer than `TRUSTED` times is not rated below the depth before: one early
+        rejection would otherwise stop its copies from being verified, and so from ever being measured again."""
         rates, prior = [], 0.5
         for hits, tries in zip(self.hits, self.tries):
-            prior = (hits + 2 * prior) / (tries + 2)
+            rate = (hits + 2 * prior) / (tries + 2)
+            prior = rate if tries >= self.TRUSTED else max(rate, prior)
             rates.append(prior)
         return torch.tensor(rates)
 
