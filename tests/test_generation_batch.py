@@ -212,6 +212,13 @@ def test_draft_length_policy_rules():
     noisy.record(3, 1.8)
     assert noisy.step_costs(3)[2] == pytest.approx(1.8)  # measured three times: its mean, slow as it is
     assert noisy.num_to_verify(torch.full((1, 2), 0.9)) == 1
+    # A plain step (width 1) is what drafting is weighed against: measured once, it keeps its measured cost even
+    # where the line says less, so that drafting does not look worse than it is.
+    plain_once = AutoDraftLength()
+    for width, seconds in [(2, 1.0)] * 10 + [(8, 2.2)] * 5 + [(1, 1.0)]:
+        plain_once.record(width, seconds)
+    intercept, slope = plain_once._cost_line()
+    assert intercept + slope < 1.0 and plain_once.step_costs(2)[0] == pytest.approx(1.0)
     cheap = AutoDraftLength()
     cheap.record(2, 1.0)
     cheap.record(1, 0.99)  # nearly free extra tokens (a GPU): verify everything, untried widths included
@@ -349,6 +356,16 @@ def test_ngram_lookup_continuation_and_bad_setting():
         lookup.copied = [3]
         lookup.record([1], 3)  # the second copy rejected again: now its measured rate stands
     assert lookup.acceptance[1] < lookup.acceptance[0] / 2
+    # A depth whose copies stop being verified forgets: each time its copy is proposed but not verified, its counts
+    # keep FORGET of their weight, so it drifts back to its prior and is tried again (the text may have changed).
+    prose = NgramLookup(2, block_size=4)
+    prose.copied = [3]
+    for _ in range(10):
+        prose.record([0], 3)  # ten first copies rejected
+    assert prose.acceptance[0] < 0.1
+    for _ in range(30):
+        prose.record([0], 0)  # proposed, not verified (a plain step)
+    assert prose.tries[0] < NgramLookup.TRUSTED and prose.acceptance[0] == pytest.approx(0.5)
     loop = NgramLookup(2, block_size=8)
     for _ in range(10):  # a repetition loop: every copy verified so far (depths 0-1) was accepted
         loop.copied = [2]

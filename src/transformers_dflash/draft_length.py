@@ -110,7 +110,7 @@ class AutoDraftLength(FullBlock):
     def step_costs(self, max_width: int) -> list[float] | None:
         """Estimated seconds of a step verifying w = 1 .. max_width tokens (None before two widths were measured).
 
-        A width measured at least `TRUSTED` times costs its mean; an unmeasured one is interpolated between the
+        A width measured at least `TRUSTED` times (and width 1, a plain step) costs its mean; an unmeasured one is interpolated between the
         measured widths around it, or read off the line through all steps. A width measured fewer times costs at most
         what the line predicts: step times on a busy CPU vary by half, and one slow step would otherwise make a width
         look dear for the rest of the call, so that it is never chosen, never measured again, and its drafts never
@@ -123,8 +123,10 @@ class AutoDraftLength(FullBlock):
         for w, t in self.samples:
             totals.setdefault(w, []).append(t)
         on_line = [max(intercept + slope * w, 1e-9) for w in range(max(max_width, *totals) + 1)]
+        # Not width 1: a plain step is what drafting is weighed against, and rating it cheaper than measured would
+        # make drafting look worse than it is.
         measured = {
-            w: sum(ts) / len(ts) if len(ts) >= self.TRUSTED else min(sum(ts) / len(ts), on_line[w])
+            w: sum(ts) / len(ts) if len(ts) >= self.TRUSTED or w == 1 else min(sum(ts) / len(ts), on_line[w])
             for w, ts in totals.items()
         }
         costs = []

@@ -21,6 +21,7 @@ class NgramLookup:
     """
 
     TRUSTED = 3  # copies verified at a depth after which its measured rate is taken as it is (see `acceptance`)
+    FORGET = 0.9  # the weight left to a depth's counts each time its copy is proposed but not verified (`record`)
 
     def __init__(self, max_ngram_size: int, block_size: int):
         self.max_ngram_size = max_ngram_size
@@ -70,11 +71,19 @@ class NgramLookup:
         return drafts, confidence.to(drafts.device)
 
     def record(self, accepted: list[int], verified: int):
-        """After verification: `accepted[i]` drafts of row i were accepted, `verified` drafts were checked."""
+        """After verification: `accepted[i]` drafts of row i were accepted, `verified` drafts were checked.
+
+        A copy that was proposed but not verified (the policy stopped before it, every draft before it accepted) says
+        nothing about its depth's rate, but the text may have changed since that depth was last tried: its counts are
+        scaled by `FORGET`, so a depth that stopped being verified drifts back to its prior and gets tried again (a
+        long answer can turn from prose, where copies fail, to a list or code, where they are accepted)."""
         for copied, a in zip(self.copied, accepted):
             for j in range(min(copied, verified, a + 1)):
                 self.tries[j] += 1
                 self.hits[j] += j < a
+            if verified < copied and a == verified:
+                self.tries[verified] *= self.FORGET
+                self.hits[verified] *= self.FORGET
 
 
 def default_ngram_lookup(device: torch.device) -> int:
