@@ -52,10 +52,11 @@ class AutoDraftLength(FullBlock):
 
     `P_j` is the cumulative confidence of draft j, `draft` the mean measured draft time and `verify(w)` the measured
     time of verifying w tokens in this generate() call: the mean of the steps of that width, else a least-squares line
-    through all steps (and no more than the line while a width has few steps, `step_costs`). The first two steps measure one draft (width 2) and no draft (width 1); wider blocks are tried
-    when the line predicts that they pay, and are then measured. Exploring from the narrow end keeps a large batch,
-    where a full block costs several plain steps, from paying for it just to learn that it does not pay. A table
-    rather than a line, because on CPUs one token can be much cheaper than two while two to eight cost about the same.
+    through all steps (and no more than the line while a width has few steps, `step_costs`). The first two steps
+    measure one draft (width 2) and no draft (width 1); wider blocks are tried when the line predicts that they pay,
+    and are then measured. Exploring from the narrow end keeps a large batch, where a full block costs several plain
+    steps, from paying for it just to learn that it does not pay. A table rather than a line, because on CPUs one token
+    can be much cheaper than two while two to eight cost about the same.
     The draft's cost is the mean of the drafts after the first (the first one also reads the whole prompt's context).
 
     When drafting loses even so (the expected rate of the last drafted step is below a plain step's, e.g. at a large
@@ -110,11 +111,11 @@ class AutoDraftLength(FullBlock):
     def step_costs(self, max_width: int) -> list[float] | None:
         """Estimated seconds of a step verifying w = 1 .. max_width tokens (None before two widths were measured).
 
-        A width measured at least `TRUSTED` times (and width 1, a plain step) costs its mean; an unmeasured one is interpolated between the
-        measured widths around it, or read off the line through all steps. A width measured fewer times costs at most
-        what the line predicts: step times on a busy CPU vary by half, and one slow step would otherwise make a width
-        look dear for the rest of the call, so that it is never chosen, never measured again, and its drafts never
-        verified. Trying it again costs a step or two; it then keeps its measured cost."""
+        A width measured at least `TRUSTED` times (and width 1, a plain step) costs its mean; an unmeasured one is
+        interpolated between the measured widths around it, or read off the line through all steps. A width measured
+        fewer times costs at most what the line predicts: step times on a busy CPU vary by half, and one slow step
+        would otherwise make a width look dear for the rest of the call, so that it is never chosen, never measured
+        again, and its drafts never verified. Trying it again costs a step or two; it then keeps its measured cost."""
         line = self._cost_line()
         if line is None:
             return None
