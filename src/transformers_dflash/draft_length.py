@@ -126,10 +126,10 @@ class AutoDraftLength(FullBlock):
         on_line = [max(intercept + slope * w, 1e-9) for w in range(max(max_width, *totals) + 1)]
         # Not width 1: a plain step is what drafting is weighed against, and rating it cheaper than measured would
         # make drafting look worse than it is.
-        measured = {
-            w: sum(ts) / len(ts) if len(ts) >= self.TRUSTED or w == 1 else min(sum(ts) / len(ts), on_line[w])
-            for w, ts in totals.items()
-        }
+        measured = {}
+        for w, ts in totals.items():
+            mean = sum(ts) / len(ts)
+            measured[w] = mean if len(ts) >= self.TRUSTED or w == 1 else min(mean, on_line[w])
         costs = []
         for w in range(1, max_width + 1):
             below = [m for m in measured if m < w]
