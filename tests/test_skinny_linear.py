@@ -15,15 +15,54 @@ from transformers_dflash.kernels import skinny_linear, skinny_linears
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    """torch's thread count for the test (the kernel's choice depends on it), restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("shape", [(24,), (1, 24), (1, 1, 24), (2, 24), (7, 24), (3, 5, 24), (256, 24)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_skinny_linear_agrees_with_linear(shape, with_bias):
+@pytest.mark.parametrize("out_features", [40, 24 * 8])  # a projection, and a tall weight such as an LM head
+def test_skinny_linear_agrees_with_linear(shape, with_bias, out_features, threads):
     torch.manual_seed(0)
-    x, weight = torch.randn(shape), torch.randn(40, 24)
-    bias = torch.randn(40) if with_bias else None
+    x, weight = torch.randn(shape), torch.randn(out_features, 24)
+    bias = torch.randn(out_features) if with_bias else None
     out = skinny_linear(x, weight, bias)
-    assert out.shape == (*shape[:-1], 40) and out.is_contiguous()
+    assert out.shape == (*shape[:-1], out_features) and out.is_contiguous()
     torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_choice_follows_the_thread_count(monkeypatch):
+    """Several threads: the transposed product for 2..256 rows, and for one row of a tall weight. One thread (where
+    MKL's matrix-vector product is the faster one-row kernel and the GEMM's loss is smaller): 2..4 rows, 2..8 for a
+    tall weight, never one row. Anything else is `F.linear`, bit for bit."""
+    from transformers_dflash import kernels
+
+    products = []
+    monkeypatch.setattr(kernels.torch, "mm", lambda *a: products.append(1) or torch.matmul(*a))
+    square, tall = torch.randn(24, 24), torch.randn(24 * 8, 24)
+    expected = {
+        2: {(square, 1): False, (tall, 1): True, (square, 2): True, (square, 256): True, (tall, 257): False},
+        1: {(tall, 1): False, (square, 2): True, (square, 4): True, (square, 5): False, (tall, 8): True,
+            (tall, 9): False},
+    }  # fmt: skip
+    before = torch.get_num_threads()
+    try:
+        for count, cases in expected.items():
+            torch.set_num_threads(count)
+            for (weight, rows), transposed in cases.items():
+                products.clear()
+                x = torch.randn(rows, 24)
+                out = skinny_linear(x, weight)
+                assert bool(products) == transposed, (count, tuple(weight.shape), rows)
+                if not transposed:
+                    assert torch.equal(out, F.linear(x, weight))
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize(

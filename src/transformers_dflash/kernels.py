@@ -18,6 +18,10 @@ from torch.nn import functional as F
 _SKINNY_ROWS = (1, 256)
 # One row takes the transposed product only for weights with this many times more outputs than inputs (LM heads).
 _TALL_WEIGHT = 8
+# On one thread the transposed product wins for fewer rows: up to this many, or `_ONE_THREAD_TALL_ROWS` for a tall
+# weight, and never for one row (docs/benchmarks.md, "Linear kernels on one thread").
+_ONE_THREAD_ROWS = 4
+_ONE_THREAD_TALL_ROWS = 8
 
 
 def skinny_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -34,8 +38,7 @@ def skinny_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     """
     rows = input.numel() // input.shape[-1] if input.dim() > 0 and input.shape[-1] else 0
     if (
-        not _SKINNY_ROWS[0] <= rows <= _SKINNY_ROWS[1]
-        or (rows == 1 and weight.shape[0] < _TALL_WEIGHT * weight.shape[1])
+        not _takes_transposed_product(rows, weight)
         or input.device.type != "cpu"
         or input.dtype != torch.float32
         or weight.dtype != torch.float32
@@ -49,6 +52,19 @@ def skinny_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if bias is not None:
         output = output + bias
     return output.contiguous().view(*input.shape[:-1], weight.shape[0])
+
+
+def _takes_transposed_product(rows: int, weight: torch.Tensor) -> bool:
+    """Whether `rows` rows times `weight` are measured faster as the transposed product, with torch's thread count.
+
+    With several threads MKL's GEMM leaves most of the weight-streaming speed unused for 2..256 rows, and its
+    matrix-vector product does not use the other threads for a tall weight. On one thread neither holds as far: the
+    matrix-vector product is the faster one-row kernel for every shape, and the transposed product wins only up to
+    a few rows (more for a tall weight)."""
+    tall = weight.shape[0] >= _TALL_WEIGHT * weight.shape[1]
+    if torch.get_num_threads() == 1:
+        return 2 <= rows <= (_ONE_THREAD_TALL_ROWS if tall else _ONE_THREAD_ROWS)
+    return (1 if tall else 2) <= rows <= _SKINNY_ROWS[1]
 
 
 class skinny_linears:
