@@ -441,7 +441,8 @@ def test_demo_chat_template_kwargs_reach_every_prompt(monkeypatch, capsys):
     args = ["demo", "--max-new-tokens", "4", "--repeats", "1", "--no-stream", "--device", "cpu"]
     assert cli.main(args + ["--chat-template-kwargs", '{"enable_thinking": false}']) == 0
     out = capsys.readouterr().out
-    assert len(calls) == 2 and all(call["enable_thinking"] is False for call in calls)  # the probe, then the demo
+    # the two thread probes (plain, DFlash), then the demo
+    assert len(calls) == 3 and all(call["enable_thinking"] is False for call in calls)
     formatted = runtime.encode_chat(tokenizer, demo.DEFAULT_PROMPT, chat_template_kwargs=NO_THINKING).shape[1]
     assert formatted == runtime.encode_chat(tokenizer, demo.DEFAULT_PROMPT).shape[1] + 2
     assert f"prompt of {formatted} tokens" in out and "outputs identical: yes" in out
@@ -647,25 +648,41 @@ def test_thread_candidates():
     assert demo.thread_candidates(8) == [1, 2, 4, 8]
 
 
-def test_demo_chooses_the_fastest_threads_for_plain_decoding_and_keeps_the_drafter_defaults(
+def test_demo_times_each_method_at_its_fastest_threads_and_keeps_the_drafter_defaults(
     tiny_demo_drafter, monkeypatch, capsys
 ):
+    """Plain decoding is timed at the count fastest for it, DFlash at the count fastest for it (here they differ)."""
     drafter = tiny_demo_drafter
     monkeypatch.setattr(demo, "default_threads", lambda: 2)
     probed = []
 
-    def fastest_threads(target_, tokenizer_, prompt, candidates, rounds=2, chat_template_kwargs=None):
+    def fastest_threads(target_, tokenizer_, prompt, candidates, rounds=2, chat_template_kwargs=None, **kwargs):
         assert chat_template_kwargs is None  # no --chat-template-kwargs: the template's defaults
-        probed.append(candidates)
-        torch.set_num_threads(2)
-        return {1: 5.0, 2: 7.0}
+        probed.append((candidates, kwargs.get("assistant_model") is drafter))
+        return {1: 5.0, 2: 7.0} if kwargs.get("assistant_model") is None else {1: 6.0, 2: 4.0}
+
+    timed_threads = []
+    timed = demo._timed_generate
+
+    def record_threads(target_, input_ids, kwargs, device, threads=None):
+        output = timed(target_, input_ids, kwargs, device, threads)
+        timed_threads.append(("dflash" if "assistant_model" in kwargs else "plain", torch.get_num_threads()))
+        return output
 
     monkeypatch.setattr(demo, "fastest_threads", fastest_threads)
+    monkeypatch.setattr(demo, "_timed_generate", record_threads)
     args = ["demo", "--max-new-tokens", "6", "--repeats", "2", "--no-stream", "--device", "cpu"]
-    assert cli.main(args) == 0
+    try:
+        assert cli.main(args) == 0
+    finally:
+        torch.set_num_threads(1)
     out = capsys.readouterr().out
-    assert probed == [[1, 2]]
-    assert "Threads: 2, the fastest for plain generate() here (tokens/s with 1: 5.0, 2: 7.0 threads)" in out
+    assert probed == [([1, 2], False), ([1, 2], True)]
+    assert (
+        "Threads: plain generate() 2, DFlash 1: each the fastest for it here (tokens/s with 1: 5.0, 2: 7.0 threads "
+        "for plain generate(), 1: 6.0, 2: 4.0 for DFlash)" in out
+    )
+    assert set(timed_threads) == {("plain", 2), ("dflash", 1)} and len(timed_threads) == 6  # warm-ups + 2 repeats
     assert drafter.draft_length is None and drafter.ngram_lookup is None  # the device's defaults
     assert "draft length auto; copied drafts from 2-gram lookup" in out and "outputs identical: yes" in out
 
@@ -673,9 +690,16 @@ def test_demo_chooses_the_fastest_threads_for_plain_decoding_and_keeps_the_draft
 def test_fastest_threads_measures_each_candidate():
     tokenizer = tiny_tokenizer()
     target = tiny_target(tokenizer)
-    rates = demo.fastest_threads(target, tokenizer, "why is the sky blue", [1, 2], rounds=1)
-    assert set(rates) == {1, 2} and all(rate > 0 for rate in rates.values())
-    assert torch.get_num_threads() == max(rates, key=rates.get)
+    torch.manual_seed(0)
+    drafter = DFlashDraftModel.from_target(target, num_layers=1, block_size=4).eval()
+    try:
+        for assistant in (None, drafter):
+            rates = demo.fastest_threads(target, tokenizer, "why is the sky blue", [1, 2], 1, assistant_model=assistant)
+            assert set(rates) == {1, 2} and all(rate > 0 for rate in rates.values())
+            assert torch.get_num_threads() == max(rates, key=rates.get)
+        assert drafter.last_acceptance_lengths  # the DFlash probe decoded with the drafter
+    finally:
+        torch.set_num_threads(1)
 
 
 def test_cli_prints_input_errors_without_a_traceback(monkeypatch, capsys):

@@ -2,8 +2,8 @@
 
 The timing is meant to be honest on a shared machine: the two run interleaved (plain, DFlash, plain, ...) over
 several runs, the report gives each one's median and its spread (min-max), the speedup is the median over the
-interleaved pairs, the thread count is the fastest one for plain decoding (the same for both), and a note says when
-the machine looks busy. The drafter runs at its defaults for the device unless told otherwise.
+interleaved pairs, each method runs at the thread count measured fastest for it (plain decoding is never timed at a
+count that handicaps it), and a note says when the machine looks busy. The drafter runs at its defaults for the device unless told otherwise.
 
 `run_demo(target, tokenizer, drafter, prompt, ...)` works with any causal LM, tokenizer and DFlash drafter, so it can
 be reused (and is tested) with tiny models. torch loads when the command runs, not at import.
@@ -34,9 +34,9 @@ then time plain generate() against DFlash on the same prompt (greedy; one warm-u
 then --repeats timed runs of each, interleaved) and print the median tokens/s of each with
 its spread (min-max), the speedup (median over the interleaved pairs), the mean acceptance
 length tau (tokens committed per target forward; 1.0 means no draft was accepted) and
-whether both outputs are identical (they must be: DFlash is lossless). On a CPU the thread
-count is the fastest one for plain generate() (measured first, unless --threads is given),
-the same for both; a note says when the machine looks busy. The drafter runs at its
+whether both outputs are identical (they must be: DFlash is lossless). On a CPU each method
+runs at the thread count measured fastest for it (plain generate() first, then DFlash),
+unless --threads sets one for both; a note says when the machine looks busy. The drafter runs at its
 defaults for the device (on a CPU: draft length 'auto', copied drafts from 2-gram lookup)
 unless --draft-length / --ngram-lookup say otherwise.
 
@@ -169,9 +169,11 @@ def format_report(result: DemoResult) -> str:
 # The demo's core: usable with any target / tokenizer / drafter
 
 
-def _timed_generate(target, input_ids, kwargs: dict, device) -> tuple[object, float]:
+def _timed_generate(target, input_ids, kwargs: dict, device, threads: int | None = None) -> tuple[object, float]:
     import torch
 
+    if threads is not None:
+        torch.set_num_threads(threads)
     synchronize(device)
     start = time.perf_counter()
     with torch.inference_mode():
@@ -192,11 +194,13 @@ def _greedy_kwargs(tokenizer, input_ids, max_new_tokens: int) -> dict:
     )
 
 
-def _stream_answer(target, tokenizer, drafter, prompt, input_ids, common: dict, stream: bool, out):
+def _stream_answer(target, tokenizer, drafter, prompt, input_ids, common: dict, stream: bool, out, threads=None):
     """The DFlash answer to `prompt` (streamed to stdout when `stream`): the reference the timed runs must equal."""
     import torch
     from transformers import TextStreamer
 
+    if threads is not None:
+        torch.set_num_threads(threads)
     if not stream:
         with torch.inference_mode():
             return target.generate(input_ids, assistant_model=drafter, **common)
@@ -221,6 +225,8 @@ def run_demo(
     threads: str | None = None,
     busy: list[str] | None = None,
     chat_template_kwargs: dict | None = None,
+    plain_threads: int | None = None,
+    dflash_threads: int | None = None,
 ) -> DemoResult:
     """Stream one DFlash answer to `prompt`, then time plain `generate()` against DFlash; print and return the result.
 
@@ -228,6 +234,7 @@ def run_demo(
     interleaved (plain, DFlash, plain, DFlash, ...) so that machine noise hits both alike. `threads` (how the thread
     count was chosen) and `busy` (why the machine looked busy) are printed with the results. `chat_template_kwargs`
     (e.g. `{"enable_thinking": False}`) are the chat template's extra variables when the prompt is formatted.
+    `plain_threads` / `dflash_threads`: torch's thread count for each method's runs (None: leave it as it is).
     """
     out = out if out is not None else sys.stdout
     device = next(target.parameters()).device
@@ -235,7 +242,7 @@ def run_demo(
     prompt_len = input_ids.shape[1]
     common = _greedy_kwargs(tokenizer, input_ids, max_new_tokens)
     dflash = dict(common, assistant_model=drafter)
-    streamed = _stream_answer(target, tokenizer, drafter, prompt, input_ids, common, stream, out)
+    streamed = _stream_answer(target, tokenizer, drafter, prompt, input_ids, common, stream, out, dflash_threads)
     response = tokenizer.decode(streamed[0, prompt_len:], skip_special_tokens=True)
 
     result = DemoResult(
@@ -253,19 +260,19 @@ def run_demo(
         flush=True,
     )
     reference = streamed[0].tolist()
-    _timed_generate(target, input_ids, common, device)
-    _timed_generate(target, input_ids, dflash, device)
+    _timed_generate(target, input_ids, common, device, plain_threads)
+    _timed_generate(target, input_ids, dflash, device, dflash_threads)
     for _ in range(repeats):
-        plain_out, seconds = _timed_generate(target, input_ids, common, device)
+        plain_out, seconds = _timed_generate(target, input_ids, common, device, plain_threads)
         result.plain_tokens.append(plain_out.shape[1] - prompt_len)
         result.plain_seconds.append(seconds)
-        dflash_out, seconds = _timed_generate(target, input_ids, dflash, device)
+        dflash_out, seconds = _timed_generate(target, input_ids, dflash, device, dflash_threads)
         result.dflash_tokens.append(dflash_out.shape[1] - prompt_len)
         result.dflash_seconds.append(seconds)
         result.acceptance_lengths.append(list(drafter.last_acceptance_lengths))
         result.identical &= plain_out[0].tolist() == reference and dflash_out[0].tolist() == reference
     if repeats == 0:  # still check losslessness on a plain run
-        result.identical = _timed_generate(target, input_ids, common, device)[0][0].tolist() == reference
+        result.identical = _timed_generate(target, input_ids, common, device, plain_threads)[0][0].tolist() == reference
     print(format_report(result), file=out, flush=True)
     return result
 
@@ -283,15 +290,24 @@ def thread_candidates(cores: int) -> list[int]:
 
 
 def fastest_threads(
-    target, tokenizer, prompt: str, candidates: list[int], rounds: int = 2, chat_template_kwargs: dict | None = None
+    target,
+    tokenizer,
+    prompt: str,
+    candidates: list[int],
+    rounds: int = 2,
+    chat_template_kwargs: dict | None = None,
+    assistant_model=None,
 ) -> dict[int, float]:
-    """{threads: best plain-decoding tokens/s} over `rounds` interleaved rounds of a short greedy `generate()` per
-    candidate (after one warm-up each), on `prompt` formatted as the demo formats it; torch is left at the fastest."""
+    """{threads: best tokens/s} over `rounds` interleaved rounds of a short greedy `generate()` per candidate (after
+    one warm-up each), on `prompt` formatted as the demo formats it; torch is left at the fastest. Plain decoding, or
+    DFlash with `assistant_model` (the drafter)."""
     import torch
 
     device = next(target.parameters()).device
     input_ids = encode_chat(tokenizer, prompt, device, chat_template_kwargs)
     kwargs = _greedy_kwargs(tokenizer, input_ids, PROBE_TOKENS)
+    if assistant_model is not None:
+        kwargs["assistant_model"] = assistant_model
     best = dict.fromkeys(candidates, 0.0)
     for round_index in range(rounds + 1):
         for threads in candidates:
@@ -345,7 +361,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "--threads",
         type=int,
         default=None,
-        help="CPU threads for torch, the same for both methods (default: the fastest for plain generate() among "
+        help="CPU threads for torch, the same for both methods (default: each method's fastest among "
         f"{', '.join(map(str, thread_candidates(default_threads())))}, measured first)",
     )
     parser.add_argument("--device", default=None, help="e.g. cpu or cuda (default: cuda when available, else cpu)")
@@ -416,29 +432,40 @@ def _check_arguments(args: argparse.Namespace, device: str):
     return draft_length
 
 
-def _choose_threads(args, target, tokenizer, device: str) -> tuple[int, str]:
-    """The thread count for both methods and how it was chosen: --threads, else (on CPU) the fastest for plain
-    decoding, measured here."""
+def _choose_threads(args, target, tokenizer, drafter, device: str) -> tuple[int, int, str]:
+    """The thread counts for plain decoding and for DFlash, and how they were chosen: --threads for both, else (on
+    CPU) each method's fastest, measured here. One count for both would handicap one of them: verifying several
+    tokens uses a second thread better than a one-token step does, so on a small CPU the two can differ."""
     import torch
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-        return args.threads, f"{args.threads} (--threads)"
+        return args.threads, args.threads, f"{args.threads} (--threads)"
     if not device.startswith("cpu"):
-        return torch.get_num_threads(), f"{torch.get_num_threads()} (torch's default; decoding runs on {device})"
+        count = torch.get_num_threads()
+        return count, count, f"{count} (torch's default; decoding runs on {device})"
     candidates = thread_candidates(default_threads())
     if len(candidates) == 1:
         torch.set_num_threads(1)
-        return 1, "1 (this process may use one core)"
+        return 1, 1, "1 (this process may use one core)"
     print(
-        f"Choosing the thread count: plain generate() of {PROBE_TOKENS} tokens with "
+        f"Choosing the thread counts: plain generate() and DFlash, {PROBE_TOKENS} tokens each, with "
         f"{', '.join(map(str, candidates))} thread(s)...",
         flush=True,
     )
-    rates = fastest_threads(target, tokenizer, args.prompt, candidates, chat_template_kwargs=args.chat_template_kwargs)
-    best = max(rates, key=rates.get)
-    measured = ", ".join(f"{n}: {rate:.1f}" for n, rate in rates.items())
-    return best, f"{best}, the fastest for plain generate() here (tokens/s with {measured} threads)"
+    kwargs = dict(chat_template_kwargs=args.chat_template_kwargs)
+    plain = fastest_threads(target, tokenizer, args.prompt, candidates, **kwargs)
+    dflash = fastest_threads(target, tokenizer, args.prompt, candidates, **kwargs, assistant_model=drafter)
+    plain_best, dflash_best = max(plain, key=plain.get), max(dflash, key=dflash.get)
+
+    def measured(rates):
+        return ", ".join(f"{n}: {rate:.1f}" for n, rate in rates.items())
+
+    how = (
+        f"plain generate() {plain_best}, DFlash {dflash_best}: each the fastest for it here (tokens/s with "
+        f"{measured(plain)} threads for plain generate(), {measured(dflash)} for DFlash)"
+    )
+    return plain_best, dflash_best, how
 
 
 def _describe_drafter(description: str, draft_length, ngram_lookup, device: str) -> str:
@@ -483,8 +510,9 @@ def run_demo_command(args: argparse.Namespace) -> int:
     drafter.draft_length, drafter.ngram_lookup = draft_length, args.ngram_lookup
     description = _describe_drafter(description, draft_length, args.ngram_lookup, device)
     print(f"Drafter: {description}." if trained else UNTRAINED_WARNING, flush=True)
-    threads, how = _choose_threads(args, target, tokenizer, device)
+    plain_threads, dflash_threads, how = _choose_threads(args, target, tokenizer, drafter, device)
     print(f"Threads: {how}.\n", flush=True)
+    threads = max(plain_threads, dflash_threads)
     busy = busy_reasons(load_average, default_threads(), threads) if device.startswith("cpu") else []
     run_demo(
         target,
@@ -498,5 +526,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
         threads=how,
         busy=busy,
         chat_template_kwargs=args.chat_template_kwargs,
+        plain_threads=plain_threads,
+        dflash_threads=dflash_threads,
     )
     return 0
