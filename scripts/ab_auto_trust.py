@@ -44,7 +44,7 @@ def main():
     from transformers_dflash.bench.single_stream import encode_prompt
     from transformers_dflash.data import load_humaneval_prompts, load_mtbench_prompts
     from transformers_dflash.draft_length import AutoDraftLength
-    from transformers_dflash.ngram_lookup import NgramLookup
+    from transformers_dflash.ngram_lookup import CopyAcceptance
 
     torch.set_num_threads(args.threads)
     target, tokenizer = td.load_smollm2()
@@ -56,7 +56,7 @@ def main():
     ]
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     target.generate(prompts[0], assistant_model=drafter, **{**kwargs, "max_new_tokens": 32})  # warm-up
-    rules = {"old": (0, 1.0), "new": (AutoDraftLength.TRUSTED, NgramLookup.FORGET)}
+    rules = {"old": (0, 1.0), "new": (AutoDraftLength.TRUSTED, CopyAcceptance.FORGET)}
     calls = []
     for repeat in range(args.repeats):
         methods = ["plain", "old", "new"] if repeat % 2 == 0 else ["new", "old", "plain"]
@@ -65,8 +65,8 @@ def main():
             for method in methods:
                 extra = {}
                 if method != "plain":
-                    AutoDraftLength.TRUSTED = NgramLookup.TRUSTED = rules[method][0]
-                    NgramLookup.FORGET = rules[method][1]
+                    AutoDraftLength.TRUSTED = CopyAcceptance.TRUSTED = rules[method][0]
+                    CopyAcceptance.FORGET = rules[method][1]
                     extra = dict(assistant_model=drafter)
                 start = time.perf_counter()
                 outputs[method] = target.generate(ids, **kwargs, **extra)
@@ -77,8 +77,8 @@ def main():
                 calls.append(dict(repeat=repeat, prompt=index, method=method, seconds=seconds, new=new, steps=steps))
             if not all(torch.equal(outputs["plain"], outputs[m]) for m in ("old", "new")):
                 raise SystemExit(f"prompt {index}: an output differs from plain generate()'s")
-    AutoDraftLength.TRUSTED = NgramLookup.TRUSTED = rules["new"][0]
-    NgramLookup.FORGET = rules["new"][1]
+    AutoDraftLength.TRUSTED = CopyAcceptance.TRUSTED = rules["new"][0]
+    CopyAcceptance.FORGET = rules["new"][1]
     if args.json:
         Path(args.json).write_text(json.dumps(calls, indent=1))
 

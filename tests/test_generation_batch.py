@@ -332,49 +332,68 @@ def test_ngram_lookup_is_lossless_and_accepted(draft_length, batch):
         assert accepted[2] > accepted[0]
 
 
+def test_copies_of_each_match_length_keep_their_own_rates():
+    """1-gram copies, accepted far less often than 2-gram ones, neither inherit nor drag down their rates."""
+    from transformers_dflash.ngram_lookup import CopyAcceptance, NgramLookup
+
+    lookup = NgramLookup(2, block_size=4)
+    for _ in range(2 * CopyAcceptance.TRUSTED):
+        lookup.copied = [(2, 1), (1, 1)]  # row 0 copied after a 2-gram match, row 1 after a 1-gram one
+        lookup.record([1, 0], 1)  # the 2-gram copy accepted, the 1-gram copy rejected
+    sequences = torch.tensor([[7, 8, 9, 7, 8], [4, 1, 2, 9, 2]])  # row 0: "7 8" again; row 1: only "2" again
+    no_drafts = torch.zeros(2, 0, dtype=torch.long)
+    drafts, confidence = lookup.merge(sequences, [0, 1], [5, 5], no_drafts, None, 1)
+    assert drafts.tolist() == [[9], [9]] and lookup.copied == [(2, 1), (1, 1)]
+    assert confidence[0, 0] > 0.8 and confidence[1, 0] < 0.2
+
+
 def test_ngram_lookup_continuation_and_bad_setting():
-    from transformers_dflash.ngram_lookup import NgramLookup
+    from transformers_dflash.ngram_lookup import CopyAcceptance, NgramLookup
 
     lookup = NgramLookup(2, block_size=4)
     tokens = torch.tensor([5, 6, 7, 8, 5, 6, 9, 5, 6])
-    assert lookup._continuation(tokens, 3).tolist() == [9, 5, 6]  # the most recent earlier "5 6" was followed by 9
+    match, copy = lookup._continuation(tokens, 3)
+    assert match == 2 and copy.tolist() == [9, 5, 6]  # the most recent earlier "5 6" was followed by 9
     assert lookup._continuation(torch.tensor([1, 2, 3, 4]), 3) is None
-    assert lookup._continuation(torch.tensor([4, 1, 2, 9, 2]), 3).tolist() == [9, 2]  # falls back to 1-gram "2"
+    match, copy = lookup._continuation(torch.tensor([4, 1, 2, 9, 2]), 3)
+    assert match == 1 and copy.tolist() == [9, 2]  # falls back to the 1-gram "2"
     drafts, confidence = lookup.merge(
         torch.stack([tokens, tokens]), [1], [9, 9], torch.zeros(1, 0, dtype=torch.long), None, 3
     )
     assert drafts.tolist() == [[9, 5, 6]] and confidence.tolist() == [[0.5, 0.5, 0.5]]
+    assert lookup.copied == [(2, 3)]
     lookup.record([1], 3)  # first copy accepted, second rejected
-    assert lookup.hits[:3] == [1, 0, 0] and lookup.tries[:3] == [1, 1, 0]
+    bigrams = lookup.acceptance[2]
+    assert bigrams.hits[:3] == [1, 0, 0] and bigrams.tries[:3] == [1, 1, 0]
+    assert lookup.acceptance[1].tries == [0, 0, 0, 0]  # a 2-gram copy says nothing about 1-gram copies
     _, confidence = lookup.merge(
         torch.stack([tokens, tokens]), [1], [9, 9], torch.zeros(1, 0, dtype=torch.long), None, 3
     )
     # A depth tried fewer than TRUSTED times is rated no lower than the depth before (one early rejection must not
     # stop its copies from ever being verified again); an untried depth inherits the one before.
     assert confidence[0].tolist() == pytest.approx([2 / 3, 2 / 3, 2 / 3])
-    for _ in range(NgramLookup.TRUSTED - 1):
-        lookup.copied = [3]
+    for _ in range(CopyAcceptance.TRUSTED - 1):
+        lookup.copied = [(2, 3)]
         lookup.record([1], 3)  # the second copy rejected again: now its measured rate stands
-    assert lookup.acceptance[1] < lookup.acceptance[0] / 2
+    assert bigrams.rates[1] < bigrams.rates[0] / 2
     # A depth whose copies stop being verified forgets: each time its copy is proposed but not verified, its counts
     # keep FORGET of their weight, so it drifts back to its prior and is tried again (the text may have changed).
-    prose = NgramLookup(2, block_size=4)
-    prose.copied = [3]
+    prose = CopyAcceptance(block_size=4)
     for _ in range(10):
-        prose.record([0], 3)  # ten first copies rejected
-    assert prose.acceptance[0] < 0.1
+        prose.record(3, 0, 3)  # ten first copies rejected
+    assert prose.rates[0] < 0.1
     for _ in range(30):
-        prose.record([0], 0)  # proposed, not verified (a plain step)
-    assert prose.tries[0] < NgramLookup.TRUSTED and prose.acceptance[0] == pytest.approx(0.5)
+        prose.record(3, 0, 0)  # proposed, not verified (a plain step)
+    assert prose.tries[0] < CopyAcceptance.TRUSTED and prose.rates[0] == pytest.approx(0.5)
     loop = NgramLookup(2, block_size=8)
     for _ in range(10):  # a repetition loop: every copy verified so far (depths 0-1) was accepted
-        loop.copied = [2]
+        loop.copied = [(2, 2)]
         loop.record([2], 2)
     _, confidence = loop.merge(
         torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2]]), [0], [11], torch.zeros(1, 0, dtype=torch.long), None, 7
     )
     assert bool((confidence[0, :3] > 0.9).all())  # copies of depth 0-2 ("3 1 2") look as good as the tried ones,
-    assert loop.acceptance[6] > 0.9  # and so would deeper ones (a fixed 1/2 prior made depth 6 worth 1/2 ** 7)
+    assert loop.acceptance[2].rates[6] > 0.9  # and so would deeper ones (a fixed 1/2 prior made depth 6 worth 1/2 ** 7)
     target = make_target("llama", dtype=torch.float32, eos_token_id=None)
     drafter = make_drafter(target)
     drafter.ngram_lookup = 0.5

@@ -7,6 +7,46 @@
 import torch
 
 
+class CopyAcceptance:
+    """How often a copied draft at each depth of the block is accepted once the copies before it were, for the copies
+    found by one match length: `hits[j]` of `tries[j]`. `rates` is the confidence `"auto"` gives such a copy."""
+
+    TRUSTED = 3  # copies verified at a depth after which its measured rate is taken as it is (see `rates`)
+    FORGET = 0.9  # the weight left to a depth's counts each time its copy is proposed but not verified (`record`)
+
+    def __init__(self, block_size: int):
+        self.hits = [0] * block_size  # copies accepted at depth j ...
+        self.tries = [0] * block_size  # ... out of copies verified at depth j with all earlier ones accepted
+
+    @property
+    def rates(self) -> torch.Tensor:
+        """The measured rate at which a copy at each depth is accepted once the copies before it were, shrunk towards
+        the rate of the depth before (1/2 for the first). An untried depth looks like the last tried one, so copies
+        that keep being accepted (a repetition loop) get verified ever deeper, as prompt lookup would. A depth tried
+        fewer than `TRUSTED` times is not rated below the depth before: one early rejection would otherwise stop its
+        copies from being verified, and so from ever being measured again."""
+        rates, prior = [], 0.5
+        for hits, tries in zip(self.hits, self.tries):
+            rate = (hits + 2 * prior) / (tries + 2)
+            prior = rate if tries >= self.TRUSTED else max(rate, prior)
+            rates.append(prior)
+        return torch.tensor(rates)
+
+    def record(self, copied: int, accepted: int, verified: int) -> None:
+        """A row's block began with `copied` copies; `verified` drafts were checked and the first `accepted` kept.
+
+        A copy that was proposed but not verified (the policy stopped before it, every draft before it accepted) says
+        nothing about its depth's rate, but the text may have changed since that depth was last tried: its counts are
+        scaled by `FORGET`, so a depth that stopped being verified drifts back to its prior and gets tried again (a
+        long answer can turn from prose, where copies fail, to a list or code, where they are accepted)."""
+        for j in range(min(copied, verified, accepted + 1)):
+            self.tries[j] += 1
+            self.hits[j] += j < accepted
+        if verified < copied and accepted == verified:
+            self.tries[verified] *= self.FORGET
+            self.hits[verified] *= self.FORGET
+
+
 class NgramLookup:
     """Drafts copied from the sequence itself (prompt lookup), merged into DFlash's blocks: `drafter.ngram_lookup = n`.
 
@@ -16,74 +56,52 @@ class NgramLookup:
     proposal they are verified by the target, so the output is unchanged.
 
     With `draft_length="auto"` each copied token's confidence is its depth's measured acceptance rate in this call
-    (smoothed towards the rate of the depth before), so the policy verifies copies as far as they have been paying
-    off; when the drafter is skipped, copies are still proposed (they cost no drafter forward).
+    (`CopyAcceptance`), kept apart for each match length: a copy found by the last two tokens is accepted several
+    times as often as one found by the last token alone (docs/benchmarks.md, "Copies by match length"), and one
+    shared rate made the policy verify the second kind at a loss. So the policy verifies copies as far as copies of
+    their kind have been paying off; when the drafter is skipped, copies are still proposed (they cost no drafter
+    forward).
     """
-
-    TRUSTED = 3  # copies verified at a depth after which its measured rate is taken as it is (see `acceptance`)
-    FORGET = 0.9  # the weight left to a depth's counts each time its copy is proposed but not verified (`record`)
 
     def __init__(self, max_ngram_size: int, block_size: int):
         self.max_ngram_size = max_ngram_size
-        self.hits = [0] * block_size  # copies accepted at depth j ...
-        self.tries = [0] * block_size  # ... out of copies verified at depth j with all earlier ones accepted
-        self.copied: list[int] = []  # per row of the last step: tokens copied into the block head
+        self.acceptance = {n: CopyAcceptance(block_size) for n in range(1, max_ngram_size + 1)}  # by match length
+        self.copied: list[tuple[int, int]] = []  # per row of the last step: (match length, tokens copied)
 
-    def _continuation(self, tokens: torch.Tensor, num_draft: int) -> torch.Tensor | None:
+    def _continuation(self, tokens: torch.Tensor, num_draft: int) -> tuple[int, torch.Tensor] | None:
+        """The longest match length n whose last n tokens occurred earlier, and what followed them (None: none)."""
         for n in range(min(self.max_ngram_size, tokens.shape[0] - 1), 0, -1):
             windows = tokens.unfold(0, n, 1)[:-1]  # every earlier n-gram (the suffix itself excluded)
             found = (windows == tokens[-n:]).all(dim=1).nonzero()
             if found.numel():
                 start = int(found[-1]) + n
-                return tokens[start : start + num_draft]
+                return n, tokens[start : start + num_draft]
         return None
-
-    @property
-    def acceptance(self) -> torch.Tensor:
-        """The confidence given a copy at each depth: the measured rate at which a copy is accepted once the copies
-        before it were, shrunk towards the rate of the depth before (1/2 for the first). An untried depth looks like
-        the last tried one, so copies that keep being accepted (a repetition loop) get verified ever deeper, as prompt
-        lookup would. A depth tried fewer than `TRUSTED` times is not rated below the depth before: one early
-        rejection would otherwise stop its copies from being verified, and so from ever being measured again."""
-        rates, prior = [], 0.5
-        for hits, tries in zip(self.hits, self.tries):
-            rate = (hits + 2 * prior) / (tries + 2)
-            prior = rate if tries >= self.TRUSTED else max(rate, prior)
-            rates.append(prior)
-        return torch.tensor(rates)
 
     def merge(self, sequences, active, lengths, drafts, confidence, num_draft: int):
         """Drafts `[rows, num_draft]` (and per-token confidences) with each row's copied continuation at its head."""
         rows = len(active)
-        acceptance = self.acceptance
+        rates = {n: acceptance.rates for n, acceptance in self.acceptance.items()}
         if drafts.shape[1] < num_draft:  # the drafter did not run this step: pad, with zero confidence
             drafts = torch.cat([drafts, drafts.new_zeros(rows, num_draft - drafts.shape[1])], dim=1)
         confidence = confidence.clone() if confidence is not None else torch.zeros(rows, num_draft)
-        self.copied = [0] * rows
+        self.copied = [(0, 0)] * rows
         for i, r in enumerate(active):
-            copy = self._continuation(sequences[r, : lengths[r]], num_draft)
-            if copy is None:
+            found = self._continuation(sequences[r, : lengths[r]], num_draft)
+            if found is None:
                 continue
+            match, copy = found
             n = copy.shape[0]
             drafts[i, :n] = copy
-            confidence[i, :n] = acceptance[:n]
-            self.copied[i] = n
+            confidence[i, :n] = rates[match][:n]
+            self.copied[i] = (match, n)
         return drafts, confidence.to(drafts.device)
 
     def record(self, accepted: list[int], verified: int):
-        """After verification: `accepted[i]` drafts of row i were accepted, `verified` drafts were checked.
-
-        A copy that was proposed but not verified (the policy stopped before it, every draft before it accepted) says
-        nothing about its depth's rate, but the text may have changed since that depth was last tried: its counts are
-        scaled by `FORGET`, so a depth that stopped being verified drifts back to its prior and gets tried again (a
-        long answer can turn from prose, where copies fail, to a list or code, where they are accepted)."""
-        for copied, a in zip(self.copied, accepted):
-            for j in range(min(copied, verified, a + 1)):
-                self.tries[j] += 1
-                self.hits[j] += j < a
-            if verified < copied and a == verified:
-                self.tries[verified] *= self.FORGET
-                self.hits[verified] *= self.FORGET
+        """After verification: `accepted[i]` drafts of row i were accepted, `verified` drafts were checked."""
+        for (match, copied), a in zip(self.copied, accepted):
+            if copied:
+                self.acceptance[match].record(copied, a, verified)
 
 
 def default_ngram_lookup(device: torch.device) -> int:
