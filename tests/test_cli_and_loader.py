@@ -672,10 +672,11 @@ def test_demo_times_each_method_at_its_fastest_threads_and_keeps_the_drafter_def
     monkeypatch.setattr(demo, "fastest_threads", fastest_threads)
     monkeypatch.setattr(demo, "_timed_generate", record_threads)
     args = ["demo", "--max-new-tokens", "6", "--repeats", "2", "--no-stream", "--device", "cpu"]
+    before = torch.get_num_threads()
     try:
         assert cli.main(args) == 0
     finally:
-        torch.set_num_threads(1)
+        torch.set_num_threads(before)
     out = capsys.readouterr().out
     assert probed == [([1, 2], False), ([1, 2], True)]
     assert (
@@ -692,6 +693,7 @@ def test_fastest_threads_measures_each_candidate():
     target = tiny_target(tokenizer)
     torch.manual_seed(0)
     drafter = DFlashDraftModel.from_target(target, num_layers=1, block_size=4).eval()
+    before = torch.get_num_threads()
     try:
         for assistant in (None, drafter):
             rates = demo.fastest_threads(target, tokenizer, "why is the sky blue", [1, 2], 1, assistant_model=assistant)
@@ -699,7 +701,7 @@ def test_fastest_threads_measures_each_candidate():
             assert torch.get_num_threads() == max(rates, key=rates.get)
         assert drafter.last_acceptance_lengths  # the DFlash probe decoded with the drafter
     finally:
-        torch.set_num_threads(1)
+        torch.set_num_threads(before)
 
 
 def test_cli_prints_input_errors_without_a_traceback(monkeypatch, capsys):

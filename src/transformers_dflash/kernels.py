@@ -38,10 +38,10 @@ def skinny_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     """
     rows = input.numel() // input.shape[-1] if input.dim() > 0 and input.shape[-1] else 0
     if (
-        not _takes_transposed_product(rows, weight)
-        or input.device.type != "cpu"
+        input.device.type != "cpu"
         or input.dtype != torch.float32
         or weight.dtype != torch.float32
+        or not _takes_transposed_product(rows, weight)  # last: it reads torch's thread count
     ):
         return F.linear(input, weight, bias)
     flat = input.reshape(rows, input.shape[-1])
