@@ -19,7 +19,9 @@
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 engine=${ENGINE:-llamacpp}
-out=${OUT:-/work/dflash-data/regen-$engine}
+# Under the package's cache (as the converted target and llama-server are), not under /work: on this project's
+# machines the home folder has outlived a fresh checkout of /work, and with it two sessions' shards were lost.
+out=${OUT:-${DFLASH_CACHE:-$HOME/.cache/transformers_dflash}/data/regen-$engine}
 log=${LOG:-$out.log}
 python=${PYTHON:-/work/main/.venv-tf5.24.0/bin/python}
 threads=${THREADS:-2}
