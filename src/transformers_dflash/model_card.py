@@ -329,7 +329,7 @@ def _usage(config, metadata: CardMetadata, layout: str) -> str:
             'inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", '
             "return_dict=True)",
             "out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=256)",
-            'print(tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))',
+            'print(tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))',
             "print(drafter.last_acceptance_lengths)  # tokens committed per target forward",
             "```",
         ]
