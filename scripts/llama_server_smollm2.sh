@@ -6,8 +6,9 @@
 # Usage: bash scripts/llama_server_smollm2.sh    then, in another shell:
 #   dflash regenerate --target smollm2 --out OUT --engine openai --server-url http://127.0.0.1:8080 --concurrency 16
 # Settings (environment): BUILD (where the build goes; default $DFLASH_CACHE/llama.cpp, as for the other caches),
-#   PORT, THREADS, SLOTS (sequences decoded together), PYTHON, CACHE_RAM (MiB for llama-server's prompt cache; 0, the default here, turns it off: every prompt of a regeneration
-#   is new, and llama-server's own default of 8 GiB grew its memory from 1.4 to 7.9 GiB within two hours).
+#   PORT, THREADS, SLOTS (sequences decoded together), PYTHON, CACHE_RAM (MiB for llama-server's prompt cache; 0,
+#   the default here, turns it off: every prompt of a regeneration is new, and llama-server's own default of 8 GiB
+#   grew its memory from 1.4 to 7.9 GiB within two hours).
 set -euo pipefail
 build=${BUILD:-${DFLASH_CACHE:-$HOME/.cache/transformers_dflash}/llama.cpp}
 port=${PORT:-8080}
