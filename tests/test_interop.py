@@ -636,5 +636,8 @@ def test_model_card_template_and_metadata():
     assert "6.49" in text and "4.86x" in text and "--speculative-algorithm DFLASH" in text
     assert f"| Parameters | {sum(p.numel() for p in drafter.parameters()):,} |" in text
     assert "{{" not in text
+    note = "This copy holds config, weights and card only."
+    assert "\n\n" + note + "\n\n## Safety" in cards.render_model_card(config, {"files_note": note})
+    assert note not in text
     with pytest.raises(ValueError, match="Unknown model-card metadata"):
         cards.render_model_card(config, {"stpes": 3})

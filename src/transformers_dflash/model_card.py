@@ -99,6 +99,8 @@ class CardMetadata:
     language: list[str] = field(default_factory=list)
     tags: list[str] = field(default_factory=list)  # extra Hub tags (dflash and speculative-decoding are always there)
     notes: str | None = None
+    # free text after the card's file list: e.g. how a copy that holds fewer files than the export was made
+    files_note: str | None = None
 
     _ALIASES = {
         "base_model": "target",
@@ -445,7 +447,7 @@ def render_model_card(
         "training": _training(metadata),
         "acceptance": _acceptance(metadata),
         "usage": _usage(config, metadata, layout),
-        "files": _files(files, layout),
+        "files": _files(files, layout) + (f"\n\n{metadata.files_note}" if metadata.files_note else ""),
     }
     return fill_template(template if template is not None else load_template(), values)
 
