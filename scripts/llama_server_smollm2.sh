@@ -22,9 +22,12 @@ if [ ! -x "$server" ]; then
   mkdir -p "$build"
   "$python" -m pip download "llama-cpp-python==$version" --no-deps --no-binary :all: -d "$build"
   tar xzf "$build/llama_cpp_python-$version.tar.gz" -C "$build"
+  # Without AMX: on an Intel Xeon that reports AMX, llama-server built with -march=native (ggml's default) crashed
+  # in ggml_backend_amx_mul_mat while loading the model (2026-12-03). Explicit -mno-* flags win over -march=native.
+  no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
   cmake -S "$build/llama_cpp_python-$version/vendor/llama.cpp" -B "$build/build" -DCMAKE_BUILD_TYPE=Release \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
-    -DBUILD_SHARED_LIBS=OFF
+    -DBUILD_SHARED_LIBS=OFF -DCMAKE_C_FLAGS="$no_amx" -DCMAKE_CXX_FLAGS="$no_amx"
   cmake --build "$build/build" --target llama-server -j "$threads"
 fi
 gguf=$("$python" -c "from transformers_dflash.smollm2 import find_smollm2_gguf; print(find_smollm2_gguf())")
