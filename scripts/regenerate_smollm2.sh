@@ -20,7 +20,8 @@ set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 engine=${ENGINE:-llamacpp}
 # Under the package's cache (as the converted target and llama-server are), not under /work: on this project's
-# machines the home folder has outlived a fresh checkout of /work, and with it two sessions' shards were lost.
+# machines the home folder has outlived a fresh checkout of /work once (two sessions' shards had been lost with
+# /work), though a new machine starts with neither (2026-12-03).
 out=${OUT:-${DFLASH_CACHE:-$HOME/.cache/transformers_dflash}/data/regen-$engine}
 log=${LOG:-$out.log}
 python=${PYTHON:-/work/main/.venv-tf5.24.0/bin/python}
