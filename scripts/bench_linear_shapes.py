@@ -1,5 +1,5 @@
-"""`F.linear` against `kernels.skinny_linear` per weight shape and row count, on this CPU (docs/benchmarks.md, "Linear
-kernels by shape"). Not a test: prints median [min-max] of the ratio over repeats that interleave the two kernels.
+"""`F.linear` against `kernels.transposed_linear` (the product `skinny_linear` takes where it measures faster) per
+weight shape and row count, on this CPU (docs/benchmarks.md, "Linear kernels by shape"). Not a test: prints median [min-max] of the ratio over repeats that interleave the two kernels.
 
     PYTHONPATH=src python scripts/bench_linear_shapes.py [--threads 2] [--repeats 7]
 
@@ -14,7 +14,7 @@ import time
 import torch
 from torch.nn import functional as F
 
-from transformers_dflash.kernels import skinny_linear
+from transformers_dflash.kernels import transposed_linear
 
 SHAPES = [(256, 256), (768, 256), (256, 768), (576, 576), (1536, 576), (576, 1536), (1024, 1024), (2048, 1024),
           (4096, 256), (49152, 576)]  # fmt: skip
@@ -28,7 +28,7 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} thread(s); microseconds per product, median over {args.repeats}")
-    print("| weight (out x in) | rows | F.linear | skinny_linear | skinny / F.linear, median [min-max] |")
+    print("| weight (out x in) | rows | F.linear | transposed | transposed / F.linear, median [min-max] |")
     print("|---|---:|---:|---:|---:|")
     for out_features, in_features in SHAPES:
         weights = [torch.randn(out_features, in_features) for _ in range(max(1, 2**24 // (out_features * in_features)))]
@@ -41,11 +41,11 @@ def main():
                     kernel(x, weight)
                 return (time.perf_counter() - start) / len(weights) * 1e6
 
-            run(F.linear), run(skinny_linear)  # warm-up
+            run(F.linear), run(transposed_linear)  # warm-up
             stock, skinny = [], []
             for _ in range(args.repeats):
                 stock.append(run(F.linear))
-                skinny.append(run(skinny_linear))
+                skinny.append(run(transposed_linear))
             ratios = [s / f for f, s in zip(stock, skinny)]
             print(
                 f"| {out_features} x {in_features} | {rows} | {statistics.median(stock):.1f} | "

@@ -4,6 +4,8 @@ The kernel only changes the summation order of float32 products with 1..256 rows
 to rounding, leave every other case to `F.linear` bit for bit, and never change a generated token.
 """
 
+import types
+
 import pytest
 import torch
 from conftest import ARCHITECTURES, PAD, make_drafter, make_target, random_prompt
@@ -36,33 +38,65 @@ def test_skinny_linear_agrees_with_linear(shape, with_bias, out_features, thread
     torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
 
 
-def test_kernel_choice_follows_the_thread_count(monkeypatch):
-    """Several threads: the transposed product for 2..256 rows, and for one row of a tall weight. One thread (where
-    MKL's matrix-vector product is the faster one-row kernel and the GEMM's loss is smaller): 2..4 rows, 2..8 for a
-    tall weight, never one row. Anything else is `F.linear`, bit for bit."""
+@pytest.fixture
+def kernel_choices(monkeypatch):
+    """The kernels module with an empty table of measured choices (restored afterwards)."""
     from transformers_dflash import kernels
 
-    products = []
+    monkeypatch.setattr(kernels, "_transposed_is_faster", {})
+    return kernels
+
+
+def test_kernel_choice_is_measured_once_per_shape_row_count_and_threads(monkeypatch, kernel_choices):
+    """The first input of each (weight shape, row count, thread count) is timed with both kernels; the faster one is
+    used from then on. Row counts above 8 share a power-of-two bucket; past 256 rows nothing is measured. Where
+    `F.linear` is chosen, the output is `F.linear`'s bit for bit."""
+    kernels = kernel_choices
+    measured, products = [], []
+    # Stand-in measurement: the transposed product "wins" for even row counts.
+    monkeypatch.setattr(
+        kernels, "_measure", lambda flat, weight: measured.append(flat.shape[0]) or flat.shape[0] % 2 == 0
+    )
     monkeypatch.setattr(kernels.torch, "mm", lambda *a: products.append(1) or torch.matmul(*a))
-    square, tall = torch.randn(24, 24), torch.randn(24 * 8, 24)
-    expected = {
-        2: {(square, 1): False, (tall, 1): True, (square, 2): True, (square, 256): True, (tall, 257): False},
-        1: {(tall, 1): False, (square, 2): True, (square, 4): True, (square, 5): False, (tall, 8): True,
-            (tall, 9): False},
-    }  # fmt: skip
+    weight = torch.randn(40, 24)
     before = torch.get_num_threads()
     try:
-        for count, cases in expected.items():
-            torch.set_num_threads(count)
-            for (weight, rows), transposed in cases.items():
-                products.clear()
-                x = torch.randn(rows, 24)
-                out = skinny_linear(x, weight)
-                assert bool(products) == transposed, (count, tuple(weight.shape), rows)
-                if not transposed:
-                    assert torch.equal(out, F.linear(x, weight))
+        for threads, rows, measures, transposed in [
+            (2, 2, True, True),
+            (2, 2, False, True),  # measured once
+            (2, 3, True, False),
+            (2, 9, True, False),  # bucket 16, measured with the 9 rows that came first
+            (2, 16, False, False),  # same bucket: no new measurement, the bucket's choice
+            (2, 257, False, False),  # a prefill-sized input: F.linear, never measured
+            (1, 2, True, True),  # another thread count: measured again
+        ]:
+            torch.set_num_threads(threads)
+            measured.clear(), products.clear()
+            x = torch.randn(rows, 24)
+            out = skinny_linear(x, weight)
+            assert (bool(measured), bool(products)) == (measures, transposed), (threads, rows)
+            if not transposed:
+                assert torch.equal(out, F.linear(x, weight))
+            else:
+                torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-5)
     finally:
         torch.set_num_threads(before)
+    measured.clear()
+    assert skinny_linear(torch.randn(4, 24), torch.randn(12, 24)).shape == (4, 12)  # another shape: its own entry
+    assert measured == [4]
+
+
+def test_measuring_is_left_out_of_the_step_clock(monkeypatch, kernel_choices):
+    """The decoding loop times its steps with `step_clock`, which stands still while a kernel choice is measured (a
+    fake clock that ticks once per reading: across a measurement the step clock moves by its own two readings)."""
+    kernels = kernel_choices
+    ticks = iter(range(1000))
+    monkeypatch.setattr(kernels, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    monkeypatch.setattr(kernels, "_measuring_seconds", 0.0)
+    before = kernels.step_clock()
+    assert kernels._measure(torch.randn(3, 24), torch.randn(40, 24)) in (True, False)
+    assert next(ticks) - 1 - before > 10  # the measurement read the clock many times ...
+    assert kernels.step_clock() - before == 3.0  # ... but the step clock moved by its own readings only
 
 
 @pytest.mark.parametrize(
@@ -110,12 +144,15 @@ def test_context_restores_after_an_error():
 
 
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
-@pytest.mark.parametrize("fast", [True, False])
-def test_float32_greedy_is_lossless_with_either_kernel(arch, fast, oracle):
-    """float32 is where the kernel runs: accepted, partly accepted and rejected blocks all equal plain generate()."""
+@pytest.mark.parametrize("kernel", ["transposed", "measured", "stock"])
+def test_float32_greedy_is_lossless_with_either_kernel(arch, kernel, oracle, monkeypatch, kernel_choices):
+    """float32 is where the kernel runs: accepted, partly accepted and rejected blocks all equal plain generate(),
+    with the transposed product wherever it applies, with this machine's measured choice, and with F.linear."""
+    if kernel == "transposed":
+        monkeypatch.setattr(kernel_choices, "_measure", lambda flat, weight: True)
     target = make_target(arch, dtype=torch.float32, seed=3, eos_token_id=None)
     drafter = make_drafter(target, block_size=5, seed=4)
-    drafter.fast_cpu_linears = fast
+    drafter.fast_cpu_linears = kernel != "stock"
     prompts = [random_prompt(n, seed=n) for n in (3, 12)]
     kwargs = dict(max_new_tokens=24, do_sample=False, pad_token_id=PAD)
     expected = [target.generate(p, **kwargs) for p in prompts]

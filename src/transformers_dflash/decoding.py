@@ -34,13 +34,12 @@ excluded), which the drafter uses for its own RoPE, and a per-row, per-axis offs
 """
 
 import contextlib
-import time
 
 import torch
 from torch import nn
 
 from .candidate_generator import DFlashCandidateGenerator
-from .kernels import cpu_kernels
+from .kernels import cpu_kernels, step_clock
 from .prefill import grouped_prefill, prefill_groups
 from .state_rollback import StateRollback, legacy_qwen3_next_continuation
 from .target_model import (
@@ -114,9 +113,9 @@ def dflash_decoding(
             )
             while keep:
                 state.drop_finished(keep, generator.cache)
-                step_start = time.perf_counter()
+                step_start = step_clock()  # the kernels' own measuring excluded
                 drafts, drafted = propose(generator, state, state.num_draft(generator.block_size))  # 1. propose
-                verify_start = time.perf_counter()
+                verify_start = step_clock()
                 candidates = torch.cat([state.anchor[:, None], drafts], dim=1)  # 2. verify
                 block_positions = state.open_block(candidates.shape[1])
                 target_positions = state.target_positions(block_positions)
@@ -149,7 +148,7 @@ def dflash_decoding(
                 # The step's cost runs to here: on hybrid targets a partial accept also pays the re-feed, which makes
                 # wide blocks dearer there, and the draft-length policy must see that.
                 draft_seconds = verify_start - step_start if drafted else None
-                generator.record_step(accepted, candidates.shape[1], time.perf_counter() - verify_start, draft_seconds)
+                generator.record_step(accepted, candidates.shape[1], step_clock() - verify_start, draft_seconds)
         finally:
             generator.close()
     if streamer is not None:

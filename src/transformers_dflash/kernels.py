@@ -9,62 +9,95 @@ gives plain decoding the same kernels. Measurements: docs/benchmarks.md ("Linear
 import contextlib
 import copy
 import functools
+import math
+import time
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-# Row counts for which `skinny_linear` takes the transposed product (measured faster, see `skinny_linear`).
-_SKINNY_ROWS = (1, 256)
-# One row takes the transposed product only for weights with this many times more outputs than inputs (LM heads).
-_TALL_WEIGHT = 8
-# On one thread the transposed product wins for fewer rows: up to this many, or `_ONE_THREAD_TALL_ROWS` for a tall
-# weight, and never for one row (docs/benchmarks.md, "Linear kernels on one thread").
-_ONE_THREAD_ROWS = 4
-_ONE_THREAD_TALL_ROWS = 8
+# Row counts for which `skinny_linear` considers the transposed product: verification widths x batch rows (a
+# prefill keeps `F.linear`).
+_MAX_ROWS = 256
+# The transposed product is chosen only when it measured at least this much faster: a near tie keeps `F.linear`,
+# which is bit for bit what plain decoding computes.
+_MARGIN = 0.9
+_MEASURE_REPEATS = 3  # timed runs of each kernel per measurement (after one untimed run), the fastest counts
+# (out_features, in_features, row bucket, torch threads) -> whether the transposed product measured faster.
+_transposed_is_faster: dict[tuple[int, int, int, int], bool] = {}
+_measuring_seconds = 0.0  # wall time spent measuring, left out of `step_clock`
 
 
 def skinny_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(input, weight, bias)`, computed as `(weight @ input^T)^T` for a few float32 rows on a CPU.
+    """`F.linear(input, weight, bias)`, or the same product computed transposed (`transposed_linear`) where that was
+    measured faster on this machine, for a few float32 rows on a CPU.
 
-    On CPUs, PyTorch runs `input @ weight^T` for 2..256 rows through an MKL GEMM that is much slower than streaming
-    the weights once, which the transposed product does (`dflash bench --linear-kernels` measures both). One row
-    takes the same product as two copies of itself only for a tall weight (an LM head: at least
-    `_TALL_WEIGHT` times more outputs than inputs), where MKL's matrix-vector product is slower; for other shapes
-    the copy, concatenation and transposes cost more than they save, so one row takes `F.linear`
-    (docs/benchmarks.md, "Linear kernels by shape"). The output is made contiguous again: leaving it transposed in
-    memory saved the copy but slowed the ops after it more. Same arithmetic, other summation order: results agree to
-    float32 rounding, like any change of batch shape. Other devices, dtypes and row counts take `F.linear` unchanged.
+    Which one is faster depends on the CPU and its BLAS, the weight's shape, the row count and torch's thread count,
+    and not in one direction (docs/benchmarks.md, "Linear kernels, measured per machine"): on a 2-core AMD EPYC the
+    transposed product streamed the weights once where MKL's GEMM took 1.6-1.8x a one-row product for 2..16 rows;
+    on a 2-core Intel Xeon with AVX-512 it was 1.1-2.8x SLOWER than `F.linear` for most shapes up to 4 rows. So each
+    (weight shape, row count, thread count) is timed once per process, on its first input, both kernels interleaved
+    (`_measure`; row counts above 8 share a power-of-two bucket), and the faster one is used from then on. Same
+    arithmetic, other summation order: results agree to float32 rounding, like any change of batch shape. Other
+    devices, dtypes and row counts take `F.linear` unchanged.
     """
     rows = input.numel() // input.shape[-1] if input.dim() > 0 and input.shape[-1] else 0
-    if (
-        input.device.type != "cpu"
-        or input.dtype != torch.float32
-        or weight.dtype != torch.float32
-        or not _takes_transposed_product(rows, weight)  # last: it reads torch's thread count
-    ):
+    if input.device.type != "cpu" or input.dtype != torch.float32 or weight.dtype != torch.float32:
+        return F.linear(input, weight, bias)
+    if not 1 <= rows <= _MAX_ROWS:
         return F.linear(input, weight, bias)
     flat = input.reshape(rows, input.shape[-1])
-    if rows == 1:
+    key = (
+        weight.shape[0],
+        weight.shape[1],
+        rows if rows <= 8 else 1 << (rows - 1).bit_length(),
+        torch.get_num_threads(),
+    )
+    faster = _transposed_is_faster.get(key)
+    if faster is None:
+        faster = _transposed_is_faster[key] = _measure(flat, weight)
+    if not faster:
+        return F.linear(input, weight, bias)
+    return transposed_linear(flat, weight, bias).view(*input.shape[:-1], weight.shape[0])
+
+
+def transposed_linear(flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(flat, weight, bias)` for a 2-D input, computed as `(weight @ flat^T)^T`: one pass over the weight
+    for all rows.
+
+    One row goes as two copies of itself (a single row would send torch to the matrix-vector product again). The
+    output is made contiguous again: leaving it transposed in memory saved the copy but slowed the ops after it more.
+    """
+    if flat.shape[0] == 1:
         output = torch.mm(weight, torch.cat([flat, flat]).t())[:, :1].t()
     else:
         output = torch.mm(weight, flat.t()).t()
-    if bias is not None:
-        output = output + bias
-    return output.contiguous().view(*input.shape[:-1], weight.shape[0])
+    return (output + bias if bias is not None else output).contiguous()
 
 
-def _takes_transposed_product(rows: int, weight: torch.Tensor) -> bool:
-    """Whether `rows` rows times `weight` are measured faster as the transposed product, with torch's thread count.
+@torch.no_grad()
+def _measure(flat: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `transposed_linear` is clearly faster than `F.linear` for this input and weight: each runs once
+    untimed, then `_MEASURE_REPEATS` times, the two alternating (which goes first alternates too); the fastest run of
+    each is compared."""
+    global _measuring_seconds
+    start = time.perf_counter()
+    best = {"linear": math.inf, "transposed": math.inf}
+    kernels = [("linear", F.linear), ("transposed", transposed_linear)]
+    for repeat in range(_MEASURE_REPEATS + 1):
+        for name, kernel in kernels if repeat % 2 else kernels[::-1]:
+            began = time.perf_counter()
+            kernel(flat, weight)
+            if repeat:
+                best[name] = min(best[name], time.perf_counter() - began)
+    _measuring_seconds += time.perf_counter() - start
+    return best["transposed"] < _MARGIN * best["linear"]
 
-    With several threads MKL's GEMM leaves most of the weight-streaming speed unused for 2..256 rows, and its
-    matrix-vector product does not use the other threads for a tall weight. On one thread neither holds as far: the
-    matrix-vector product is the faster one-row kernel for every shape, and the transposed product wins only up to
-    a few rows (more for a tall weight)."""
-    tall = weight.shape[0] >= _TALL_WEIGHT * weight.shape[1]
-    if torch.get_num_threads() == 1:
-        return 2 <= rows <= (_ONE_THREAD_TALL_ROWS if tall else _ONE_THREAD_ROWS)
-    return (1 if tall else 2) <= rows <= _SKINNY_ROWS[1]
+
+def step_clock() -> float:
+    """`time.perf_counter()` less the time `skinny_linear` spent measuring its kernels: the decoding loop times its
+    steps with it, so that a first use of a row count does not make that step look slow to the draft-length policy."""
+    return time.perf_counter() - _measuring_seconds
 
 
 class skinny_linears:

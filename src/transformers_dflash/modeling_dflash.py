@@ -389,8 +389,8 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         # How many drafts to verify per step: None (the device's fastest measured default), "full", a confidence
         # threshold or "auto" (see draft_length.py). A run-time setting, not saved with the checkpoint.
         self.draft_length: float | str | None = None
-        # Verify (and draft) through `kernels.skinny_linear` on CPUs: the transposed product is much faster
-        # for the few rows of a verification forward. A run-time setting, not saved with the checkpoint.
+        # Verify (and draft) through `kernels.skinny_linear` on CPUs: for the few rows of a verification forward it
+        # takes whichever of two products was measured faster on this machine. A run-time setting, not saved.
         self.fast_cpu_linears: bool = True
         # Also copy drafts from the sequence itself when its last n tokens occurred before (ngram_lookup.py): None
         # (the device's default), 0 (off) or the longest n-gram to match. A run-time setting, not saved.

@@ -1,5 +1,5 @@
 """The linear kernels alone: one pass over a model's `nn.Linear` weights per row count, `F.linear` against
-`kernels.skinny_linear` (the CPU verification kernel)."""
+`kernels.transposed_linear` (the product `kernels.skinny_linear` takes where it measured faster)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def run_linear_benchmark(
     model, row_counts: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128), repeats: int = 5, warmup: int = 1
 ) -> list[dict]:
     """Time one pass over every `nn.Linear` weight of `model` (a forward's matrix products, in order) with
-    `F.linear` and with `kernels.skinny_linear`, for inputs of each row count.
+    `F.linear` and with `kernels.transposed_linear`, for inputs of each row count.
 
     The two kernels alternate pass by pass, so machine noise hits both alike. The weights are read from memory as in a
     real forward (a model's weights do not fit in the CPU caches). Returns one row per row count: milliseconds per
@@ -26,7 +26,7 @@ def run_linear_benchmark(
     from torch import nn
     from torch.nn import functional as F
 
-    from ..kernels import skinny_linear
+    from ..kernels import transposed_linear
 
     weights = [(m.weight, m.bias) for m in model.modules() if isinstance(m, nn.Linear)]
     if not weights:
@@ -50,11 +50,11 @@ def run_linear_benchmark(
 
         for n in row_counts:
             for _ in range(warmup):
-                one_pass(F.linear, n), one_pass(skinny_linear, n)
+                one_pass(F.linear, n), one_pass(transposed_linear, n)
             stock = skinny = 0.0
             for _ in range(repeats):
                 stock += one_pass(F.linear, n)
-                skinny += one_pass(skinny_linear, n)
+                skinny += one_pass(transposed_linear, n)
             rows.append({"rows": n, "linear_ms": stock / repeats * 1e3, "skinny_ms": skinny / repeats * 1e3})
     one_row = rows[0]["linear_ms"] if rows and rows[0]["rows"] == 1 else math.nan
     for row in rows:
@@ -74,10 +74,11 @@ def format_linear_markdown(rows: Sequence[Mapping[str, Any]], header: str = "") 
     return table_section(
         "Linear kernels: one pass over the model's nn.Linear weights",
         header,
-        "| rows | F.linear (ms) | skinny_linear (ms) | skinny / F.linear | F.linear vs 1 row | skinny vs 1-row F.linear |",
+        "| rows | F.linear (ms) | transposed (ms) | transposed / F.linear | F.linear vs 1 row | transposed vs 1-row "
+        "F.linear |",
         "|---:|---:|---:|---:|---:|---:|",
         body,
-        "rows: tokens x batch rows of a forward (a verification step of width w at batch b has w*b rows). skinny_linear "
-        "takes F.linear above 256 rows and for other dtypes/devices, so those rows time the same kernel twice; one row "
-        "goes through its two-column product (two copies of the row) for tall weights (LM heads) and F.linear otherwise.",
+        "rows: tokens x batch rows of a forward (a verification step of width w at batch b has w*b rows). transposed: "
+        "`kernels.transposed_linear`, one row as two copies of itself. DFlash decoding's `skinny_linear` takes it "
+        "for a weight shape and row count only where it measured clearly faster on this machine, else F.linear.",
     )

@@ -113,7 +113,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         default=None,
         metavar="ROWS",
         help="comma-separated row counts, e.g. 1,2,4,8,16,32,64,128: instead of decoding, time one pass over the "
-        "target's nn.Linear weights with F.linear and with skinny_linear (the CPU verification kernel) at these row "
+        "target's nn.Linear weights with F.linear and with the transposed product (which the CPU kernel takes where "
+        "it measures faster) at these row "
         "counts (writes <name>-linear.json/.md; default: off)",
     )
     parser.add_argument(
