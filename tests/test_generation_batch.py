@@ -264,6 +264,31 @@ def test_draft_length_policy_rules():
     assert type(draft_length_policy(None, "meta")).__name__ == "FullBlock"  # accelerators verify whole blocks
 
 
+def test_auto_stops_drafting_when_the_drafted_steps_realise_less_than_plain_steps():
+    """An overconfident drafter: its drafts look worth verifying, but the drafted steps commit fewer tokens per second
+    than plain steps do. "auto" then skips the drafter (asking it again after 1, 2, 4 ... skipped steps), and drafts
+    every step again once the drafted steps pay."""
+    from transformers_dflash.draft_length import AutoDraftLength
+
+    auto = AutoDraftLength()
+    auto.record(2, 1.0, draft_seconds=0.5, accepted=torch.tensor([0]))
+    auto.record(1, 1.0)  # a plain step: 1 token per second
+    confident = torch.full((1, 4), 0.9)
+    assert auto.num_to_verify(confident) == 4 and auto.wants_draft()  # expected: 4.1 tokens in 1.5 s
+    assert auto.realised_seconds == 0  # the first draft also read the whole prompt: its step is not counted
+    for _ in range(3):
+        auto.record(5, 1.0, draft_seconds=0.2, accepted=torch.tensor([0]))  # realised: 1 token in 1.2 s
+    assert auto.num_to_verify(confident) == 4  # the confidences alone still say that drafting pays ...
+    assert [auto.wants_draft() for _ in range(5)] == [False, True, False, False, True]  # ... what it realised does not
+    auto.record(5, 1.0, draft_seconds=0.2, accepted=torch.tensor([4]))  # a drafted step that paid off
+    assert auto.realised_tokens / auto.realised_seconds > 1.0
+    assert all(auto.wants_draft() for _ in range(3))
+    batch = AutoDraftLength()  # a batch: tokens per row, as a plain step's rate is
+    for width, seconds in ((2, 2.0), (1, 2.0), (1, 2.0)):
+        batch.record(width, seconds, draft_seconds=0.5, accepted=torch.tensor([0, 1]))
+    assert batch.realised_tokens / batch.realised_seconds == pytest.approx(1.5 / 2.5)
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 def test_skipped_drafts_keep_the_drafters_context(batch, monkeypatch):
     """When "auto" skips the drafter, the skipped steps' target features still reach its next context: the drafts

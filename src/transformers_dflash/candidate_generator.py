@@ -130,7 +130,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         drafter did not run): `accepted[i]` drafts of row i were accepted. Feeds the policy and the lookup."""
         if self.ngram_lookup is not None:
             self.ngram_lookup.record(accepted.tolist(), width - 1)
-        self.draft_length_policy.record(width, seconds, draft_seconds)
+        self.draft_length_policy.record(width, seconds, draft_seconds, accepted)
 
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, None]:
         """`CandidateGenerator` protocol (batch 1): the full sequence followed by the drafted tokens.
