@@ -135,6 +135,30 @@ def test_context_patches_plain_linears_only_and_restores_them():
     assert "forward" not in model[0].__dict__ and model[2].forward is hooked
 
 
+def test_context_with_rows_patches_only_the_layers_faster_transposed_for_one_of_them(monkeypatch, kernel_choices):
+    """Given the row counts to expect, the context measures each (weight shape, row count) on entry, once, and leaves
+    the layers whose shape is faster with F.linear for all of them as they are (no per-call detour)."""
+    measured = []
+
+    def measure(flat, weight):
+        measured.append((tuple(weight.shape), flat.shape[0]))
+        return weight.shape[0] == 40 and flat.shape[0] == 4  # only (40 x 24, 4 rows) is faster transposed
+
+    monkeypatch.setattr(kernel_choices, "_measure", measure)
+    model = nn.Sequential(nn.Linear(24, 40), nn.Linear(40, 24), nn.Linear(24, 40))
+    with skinny_linears(model, rows=[1, 4, 2, 2]) as kernels:
+        assert kernels.patched == [model[0], model[2]]
+    assert sorted(measured) == [
+        ((24, 40), 1),
+        ((24, 40), 2),
+        ((24, 40), 4),
+        ((40, 24), 1),
+        ((40, 24), 2),
+        ((40, 24), 4),
+    ]
+    assert not any("forward" in m.__dict__ for m in model)
+
+
 def test_context_restores_after_an_error():
     layer = nn.Linear(4, 4)
     with pytest.raises(RuntimeError, match="boom"), skinny_linears(layer):
@@ -163,8 +187,10 @@ def test_float32_greedy_is_lossless_with_either_kernel(arch, kernel, oracle, mon
     assert not any("forward" in m.__dict__ for m in target.modules())  # the kernels were handed back
 
 
-def test_decoding_uses_the_kernel_only_when_enabled(monkeypatch):
+def test_decoding_uses_the_kernel_only_when_enabled(monkeypatch, kernel_choices):
     import transformers_dflash.kernels as generation
+
+    monkeypatch.setattr(kernel_choices, "_measure", lambda flat, weight: True)  # wherever it applies
 
     calls = []
     original = generation.skinny_linear

@@ -11,6 +11,7 @@ import copy
 import functools
 import math
 import time
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -42,23 +43,24 @@ def skinny_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     devices, dtypes and row counts take `F.linear` unchanged.
     """
     rows = input.numel() // input.shape[-1] if input.dim() > 0 and input.shape[-1] else 0
-    if input.device.type != "cpu" or input.dtype != torch.float32 or weight.dtype != torch.float32:
-        return F.linear(input, weight, bias)
-    if not 1 <= rows <= _MAX_ROWS:
+    if input.device.type != "cpu" or input.dtype != torch.float32 or not transposed_pays(weight, rows, input):
         return F.linear(input, weight, bias)
     flat = input.reshape(rows, input.shape[-1])
-    key = (
-        weight.shape[0],
-        weight.shape[1],
-        rows if rows <= 8 else 1 << (rows - 1).bit_length(),
-        torch.get_num_threads(),
-    )
+    return transposed_linear(flat, weight, bias).view(*input.shape[:-1], weight.shape[0])
+
+
+def transposed_pays(weight: torch.Tensor, rows: int, input: torch.Tensor | None = None) -> bool:
+    """Whether `rows` rows times this float32 CPU `weight` are computed faster transposed, with torch's thread count:
+    the measured choice (measured now, on `input` or on random rows, if this is the first such product)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not 1 <= rows <= _MAX_ROWS:
+        return False
+    bucket = rows if rows <= 8 else 1 << (rows - 1).bit_length()
+    key = (weight.shape[0], weight.shape[1], bucket, torch.get_num_threads())
     faster = _transposed_is_faster.get(key)
     if faster is None:
+        flat = input.reshape(rows, -1) if input is not None else torch.randn(rows, weight.shape[1])
         faster = _transposed_is_faster[key] = _measure(flat, weight)
-    if not faster:
-        return F.linear(input, weight, bias)
-    return transposed_linear(flat, weight, bias).view(*input.shape[:-1], weight.shape[0])
+    return faster
 
 
 def transposed_linear(flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -108,18 +110,32 @@ class skinny_linears:
     Only exact `nn.Linear` instances are touched: subclasses (quantized or LoRA layers) and modules whose `forward`
     is already replaced on the instance (accelerate's device hooks, another active `skinny_linears`) keep theirs.
     The original `forward` is restored on exit, also after an error.
+
+    `rows`: the row counts the block will mostly run (e.g. verification widths x batch), or None. Given, the choice
+    for each of them is measured on entry, and a layer whose weight is faster transposed for none of them is left as
+    it is: the detour through `skinny_linear` costs a few microseconds per call (measured: 6.6 us on a 2-core Xeon,
+    2.5 % of a SmolLM2 step over its 211 layers), for nothing where `F.linear` would be chosen anyway.
     """
 
-    def __init__(self, *models: nn.Module):
-        self.models = models
+    def __init__(self, *models: nn.Module, rows: Iterable[int] | None = None):
+        self.models, self.rows = models, None if rows is None else sorted(set(rows))
         self.patched: list[nn.Linear] = []
 
     def __enter__(self):
+        pays: dict[tuple, bool] = {}  # per weight shape, dtype and device
         for model in self.models:
             for module in model.modules():
-                if type(module) is nn.Linear and "forward" not in module.__dict__ and not hasattr(module, "_hf_hook"):
-                    module.forward = functools.partial(_skinny_linear_forward, module)
-                    self.patched.append(module)
+                if type(module) is not nn.Linear or "forward" in module.__dict__ or hasattr(module, "_hf_hook"):
+                    continue
+                if self.rows is not None:
+                    weight = module.weight
+                    key = (weight.shape, weight.dtype, weight.device)
+                    if key not in pays:
+                        pays[key] = any([transposed_pays(weight, rows) for rows in self.rows])  # measures them all
+                    if not pays[key]:
+                        continue
+                module.forward = functools.partial(_skinny_linear_forward, module)
+                self.patched.append(module)
         return self
 
     def __exit__(self, *exc):
@@ -200,8 +216,9 @@ class packed_gqa_attention:
 
 
 @contextlib.contextmanager
-def cpu_kernels(*models: nn.Module):
+def cpu_kernels(*models: nn.Module, rows: Iterable[int] | None = None):
     """Context manager: both CPU kernels DFlash decoding runs with (`skinny_linears`, `packed_gqa_attention`). Use it
-    around any other CPU generation to compare like with like, e.g. `with cpu_kernels(target): target.generate(...)`."""
-    with skinny_linears(*models), packed_gqa_attention(*models):
+    around any other CPU generation to compare like with like, e.g. `with cpu_kernels(target): target.generate(...)`.
+    `rows`: see `skinny_linears`."""
+    with skinny_linears(*models, rows=rows), packed_gqa_attention(*models):
         yield
