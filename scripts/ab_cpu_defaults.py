@@ -5,10 +5,14 @@ Variants, each the shipped drafter at its defaults (`draft_length="auto"`, 2-gra
 - `static`: the kernel rule before (fixed by row count and thread count, as measured on an AMD EPYC), and "auto"
   judging drafting by its drafts' confidences alone;
 - `measured`: `skinny_linear`'s kernel choice measured on this machine, confidences alone;
-- `defaults`: what the package does now: measured kernels, and "auto" also stops drafting when the drafted steps
-  realise fewer tokens per second than plain steps.
+- `realised`: measured kernels, and "auto" also stops drafting when the drafted steps realise fewer tokens per
+  second than plain steps;
+- `defaults`: what the package does now: the above, and each generate() call starts from what "auto" and the copies
+  measured in the drafter's earlier calls (`drafter.draft_length_memory`); the variants before start every call
+  afresh.
 Each round runs plain `generate()` and every variant on every prompt, in a shuffled order per prompt; every output is
-checked against plain `generate()`'s. Each variant keeps its own table of kernel choices for the whole run.
+checked against plain `generate()`'s. Each variant keeps its own table of kernel choices for the whole run, and
+`defaults` its own memory.
 
     python scripts/ab_cpu_defaults.py [--threads 2] [--rounds 3] [--max-new-tokens 256] [--num-prompts 2]
 
@@ -30,7 +34,7 @@ sys.path.insert(0, str(REPO / "src"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 DEMO_PROMPT = "Explain in a few sentences why the sky is blue."
-VARIANTS = ("static", "measured", "defaults")
+VARIANTS = ("static", "measured", "realised", "defaults")
 
 
 def static_rule(flat, weight) -> bool:
@@ -66,13 +70,15 @@ def main():
 
     measure, record = kernels._measure, AutoDraftLength.record
     tables = {variant: {} for variant in variants}
+    memory = {}  # the `defaults` variant's
 
     @contextlib.contextmanager
     def variant_rules(variant):
         kernels._transposed_is_faster = tables[variant]
         kernels._measure = static_rule if variant == "static" else measure
-        if variant != "defaults":  # confidences alone: the realised rate never gets a sample
+        if variant in ("static", "measured"):  # confidences alone: the realised rate never gets a sample
             AutoDraftLength.record = lambda self, w, s, d=None, accepted=None: record(self, w, s, d)
+        drafter.draft_length_memory = memory if variant == "defaults" else {}
         try:
             yield
         finally:

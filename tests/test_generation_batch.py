@@ -289,6 +289,61 @@ def test_auto_stops_drafting_when_the_drafted_steps_realise_less_than_plain_step
     assert batch.realised_tokens / batch.realised_seconds == pytest.approx(1.5 / 2.5)
 
 
+def test_auto_starts_each_call_from_what_the_earlier_calls_measured():
+    """A new call keeps the last KEPT steps of each width and drafts, the realised rate and the back-off; its first
+    draft (which also reads the prompt) is neither a draft's cost nor a realised rate. Copy rates carry over as if
+    from at most CARRIED tries."""
+    from transformers_dflash.draft_length import AutoDraftLength
+    from transformers_dflash.ngram_lookup import CopyAcceptance
+
+    auto = AutoDraftLength()
+    auto.record(2, 1.0, draft_seconds=9.0, accepted=torch.tensor([0]))  # a call's first draft
+    for _ in range(AutoDraftLength.KEPT + 5):
+        auto.record(1, 1.0)
+        auto.record(3, 2.0, draft_seconds=0.5, accepted=torch.tensor([0]))
+    realised = auto.realised_tokens / auto.realised_seconds
+    auto.start_call()
+    assert sorted({w: sum(1 for x, _ in auto.samples if x == w) for w in (1, 2, 3)}.items()) == [
+        (1, AutoDraftLength.KEPT),
+        (2, 1),
+        (3, AutoDraftLength.KEPT),
+    ]
+    assert len(auto.draft_seconds) == AutoDraftLength.KEPT and auto.first_draft_seconds == 9.0
+    assert auto.num_to_verify(torch.full((1, 4), 0.9)) in range(5)  # no exploring: widths 1 and 2 are known
+    auto.record(3, 2.0, draft_seconds=7.0, accepted=torch.tensor([2]))  # this call's first draft
+    assert auto.first_draft_seconds == 7.0 and auto.draft_seconds[-1] == 0.5
+    assert auto.realised_tokens / auto.realised_seconds == realised
+    copies = CopyAcceptance(block_size=4)
+    for accepted in (1, 1, 1, 0) * 5:
+        copies.record(copied=1, accepted=accepted, verified=1)
+    rate = copies.rates[0]
+    copies.start_call()
+    assert copies.tries[0] == CopyAcceptance.CARRIED and copies.hits[0] == pytest.approx(0.75 * CopyAcceptance.CARRIED)
+    assert copies.rates[0] > 0.6 and rate > 0.6
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_drafter_remembers_auto_per_thread_count_and_batch_size(batch):
+    """generate() calls of one drafter share their "auto" policy and copy rates (`drafter.draft_length_memory`), per
+    device, thread count and batch size; outputs stay plain generate()'s."""
+    target = make_target("llama", dtype=torch.float32, eos_token_id=None)
+    drafter = make_drafter(target, block_size=4)
+    prompt = _repetitive_prompt(batch)
+    kwargs = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False, pad_token_id=PAD)
+    expected = target.generate(prompt, **kwargs)
+    key = ("auto", "cpu", torch.get_num_threads(), batch)
+    assert torch.equal(target.generate(prompt, assistant_model=drafter, **kwargs), expected)
+    policy = drafter.draft_length_memory[key]
+    steps = len(policy.samples)
+    assert steps > 0 and ("copies", 2, 4) in drafter.draft_length_memory
+    assert torch.equal(target.generate(prompt, assistant_model=drafter, **kwargs), expected)
+    assert drafter.draft_length_memory[key] is policy and len(policy.samples) > steps
+    drafter.draft_length = "full"  # other policies keep nothing
+    assert torch.equal(target.generate(prompt, assistant_model=drafter, **kwargs), expected)
+    assert set(drafter.draft_length_memory) == {key, ("copies", 2, 4)}
+    drafter.draft_length_memory.clear()
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 def test_skipped_drafts_keep_the_drafters_context(batch, monkeypatch):
     """When "auto" skips the drafter, the skipped steps' target features still reach its next context: the drafts

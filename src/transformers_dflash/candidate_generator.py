@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from .draft_length import draft_length_policy
+from .draft_length import AutoDraftLength, draft_length_policy
 from .kernels import skinny_linear
 from .modeling_dflash import DFlashDrafterCache
 from .ngram_lookup import ngram_lookup_for
@@ -35,7 +35,15 @@ class DFlashCandidateGenerator(CandidateGenerator):
     For a batch, it is one such list per row.
     """
 
-    def __init__(self, drafter: nn.Module, target: nn.Module, generation_config=None, logits_processor=None, **kwargs):
+    def __init__(
+        self,
+        drafter: nn.Module,
+        target: nn.Module,
+        generation_config=None,
+        logits_processor=None,
+        batch_size: int = 1,
+        **kwargs,
+    ):
         self.drafter = drafter
         self.config = drafter.config
         self.block_size = self.config.block_size
@@ -49,6 +57,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         device = self.embed_tokens.weight.device  # where verification runs: its costs decide the defaults
         self.draft_length_policy = draft_length_policy(getattr(drafter, "draft_length", None), device)
         self.ngram_lookup = ngram_lookup_for(getattr(drafter, "ngram_lookup", None), self.block_size, device)
+        self._resume(getattr(drafter, "draft_length_memory", None), device, batch_size)
         drafter_param = next(drafter.parameters())
         self.drafter_device, self.drafter_dtype = drafter_param.device, drafter_param.dtype
         _warn_slow_cpu_dtype(self.drafter_dtype, self.head.weight.dtype, self.drafter_device)
@@ -65,6 +74,21 @@ class DFlashCandidateGenerator(CandidateGenerator):
         # The hooks close over the list, not over self, so they go away as soon as the generator does.
         self._finalizer = weakref.finalize(self, _remove_hooks, handles)
         self.drafter.last_acceptance_lengths = []
+
+    def _resume(self, memory: dict | None, device: torch.device, batch_size: int) -> None:
+        """Take over what "auto" and the copied drafts measured in this drafter's earlier generate() calls (step
+        costs per width, whether drafting pays, copy acceptance rates; the memory is `drafter.draft_length_memory`),
+        kept per device, thread count and batch size, since step costs depend on them."""
+        if memory is None:
+            return
+        if isinstance(self.draft_length_policy, AutoDraftLength):
+            key = ("auto", device.type, torch.get_num_threads(), batch_size)
+            self.draft_length_policy = memory.setdefault(key, self.draft_length_policy)
+            self.draft_length_policy.start_call()
+        if self.ngram_lookup is not None:
+            key = ("copies", self.ngram_lookup.max_ngram_size, self.block_size)
+            self.ngram_lookup = memory.setdefault(key, self.ngram_lookup)
+            self.ngram_lookup.start_call()
 
     def close(self):
         """Remove the hooks from the target (also done automatically when the generator is garbage collected)."""

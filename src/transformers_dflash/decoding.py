@@ -78,7 +78,7 @@ def dflash_decoding(
     if generate_prepares_position_ids():  # transformers >= 5; 4.x made position ids per step, from the mask
         state.follow_target_positions(model_kwargs.get("position_ids"))
     media = prompt_inputs(target, model_kwargs)  # image / video inputs: the prefill's only
-    generator = DFlashCandidateGenerator(drafter, target, generation_config, logits_processor)
+    generator = DFlashCandidateGenerator(drafter, target, generation_config, logits_processor, input_ids.shape[0])
     forward_keyword = cache_keyword(target)
 
     def target_forward(ids, position_ids, mask, keep, into=cache, **inputs):

@@ -60,7 +60,7 @@ class AutoDraftLength(FullBlock):
     and are then measured. Exploring from the narrow end keeps a large batch, where a full block costs several plain
     steps, from paying for it just to learn that it does not pay. A table rather than a line, because on CPUs one token
     can be much cheaper than two while two to eight cost about the same.
-    The draft's cost is the mean of the drafts after the first (the first one also reads the whole prompt's context).
+    The draft's cost is the mean of the drafts after a call's first (which also reads the whole prompt's context).
 
     When drafting loses even so, the next steps skip the drafter altogether; it is asked again after 1, 2, 4, ... 16
     skipped steps, and drafting resumes as soon as it wins. Drafting loses when the expected rate of the last drafted
@@ -71,18 +71,36 @@ class AutoDraftLength(FullBlock):
     accepted 17 % of the time ran at 0.77x plain decoding). Skipped steps keep their target features for the
     drafter's next context, so skipping costs no accuracy. Rows of a batch share one verification forward: the
     chosen length maximises the expected tokens per second of the whole batch (the sum over rows).
+
+    One instance serves the generate() calls of one drafter on one device, thread count and batch size
+    (`DFlashCandidateGenerator`, `drafter.draft_length_memory`): each call starts from what the earlier ones measured
+    (`start_call`), so it neither explores widths again nor pays again to learn that drafting loses.
     """
 
     uses_confidence = True
     TRUSTED = 3  # steps of a width after which its measured mean cost is taken as it is (see `step_costs`)
     REALISED_DECAY = 0.8  # weight the earlier drafted steps keep in the realised rate, per drafted step
+    KEPT = 32  # steps of each width, and drafts, that a new call keeps from the earlier ones (`start_call`)
 
     def __init__(self):
         self.samples: list[tuple[int, float]] = []  # (verified width, seconds of verify + commit + any re-feed)
-        self.draft_seconds: list[float] = []  # seconds of each draft
+        self.draft_seconds: list[float] = []  # seconds of each draft but a call's first
+        self.first_draft_seconds: float | None = None  # seconds of the last call's first draft
+        self.awaiting_first_draft = True
         self.draft_rate: float | None = None  # expected tokens/s per row of the last drafted step, as chosen
         self.realised_tokens = self.realised_seconds = 0.0  # drafted steps: decayed sums (see the class docstring)
         self.skipped, self.backoff = 0, 1
+
+    def start_call(self) -> None:
+        """A new generate() call: keep the last `KEPT` steps of each width and the last `KEPT` drafts (older ones,
+        from shorter contexts, age out), the realised rate and the back-off; its first draft will read the prompt."""
+        kept, counts = [], {}
+        for width, seconds in reversed(self.samples):
+            counts[width] = counts.get(width, 0) + 1
+            if counts[width] <= self.KEPT:
+                kept.append((width, seconds))
+        self.samples, self.draft_seconds = kept[::-1], self.draft_seconds[-self.KEPT :]
+        self.awaiting_first_draft = True
 
     def record(self, width, seconds, draft_seconds=None, accepted=None):
         """A step verified `width` tokens in `seconds`, after a draft of `draft_seconds` (None: no draft);
@@ -90,8 +108,11 @@ class AutoDraftLength(FullBlock):
         self.samples.append((width, seconds))
         if draft_seconds is None:
             return
+        if self.awaiting_first_draft:  # it also read the prompt's context: neither a draft's cost nor its rate
+            self.first_draft_seconds, self.awaiting_first_draft = draft_seconds, False
+            return
         self.draft_seconds.append(draft_seconds)
-        if accepted is not None and len(self.draft_seconds) > 1:  # the first draft also read the prompt's context
+        if accepted is not None:
             committed = 1.0 + float(accepted.float().mean())  # per row: the accepted drafts and the bonus token
             self.realised_tokens = self.REALISED_DECAY * self.realised_tokens + committed
             self.realised_seconds = self.REALISED_DECAY * self.realised_seconds + draft_seconds + seconds
@@ -173,8 +194,8 @@ class AutoDraftLength(FullBlock):
             return min(1, num_draft)
         if 1 not in widths:  # ... then no draft at all
             return 0
-        drafts = self.draft_seconds[1:] or self.draft_seconds  # the first draft also read the prompt's context
-        draft = sum(drafts) / len(drafts) if drafts and paid_draft else 0.0
+        drafts = self.draft_seconds or [self.first_draft_seconds or 0.0]
+        draft = sum(drafts) / len(drafts) if paid_draft else 0.0
         costs = [draft + c for c in self.step_costs(num_draft + 1)]
         costs = torch.tensor(costs, dtype=torch.float32, device=confidence.device)
         cumulative = confidence.cumprod(dim=1)

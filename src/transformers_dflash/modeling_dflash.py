@@ -395,6 +395,9 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         # Also copy drafts from the sequence itself when its last n tokens occurred before (ngram_lookup.py): None
         # (the device's default), 0 (off) or the longest n-gram to match. A run-time setting, not saved.
         self.ngram_lookup: int | None = None
+        # What draft_length="auto" and the copied drafts measured in earlier generate() calls (step costs, copy
+        # acceptance), per device, thread count and batch size; `.clear()` forgets it. Never saved.
+        self.draft_length_memory: dict = {}
         self.model_tags = ["dflash", "speculative-decoding"]  # per instance: transformers appends to it in place
         self.post_init()
 

@@ -13,6 +13,7 @@ class CopyAcceptance:
 
     TRUSTED = 3  # copies verified at a depth after which its measured rate is taken as it is (see `rates`)
     FORGET = 0.9  # the weight left to a depth's counts each time its copy is proposed but not verified (`record`)
+    CARRIED = 8  # tries per depth that a new generate() call starts with at most (`start_call`)
 
     def __init__(self, block_size: int):
         self.hits = [0] * block_size  # copies accepted at depth j ...
@@ -31,6 +32,14 @@ class CopyAcceptance:
             prior = rate if tries >= self.TRUSTED else max(rate, prior)
             rates.append(prior)
         return torch.tensor(rates)
+
+    def start_call(self) -> None:
+        """A new generate() call: keep each depth's measured rate, but as if from at most `CARRIED` tries, so that
+        a new text (code after prose) moves it within a few copies."""
+        for depth, tries in enumerate(self.tries):
+            if tries > self.CARRIED:
+                self.hits[depth] *= self.CARRIED / tries
+                self.tries[depth] = self.CARRIED
 
     def record(self, copied: int, accepted: int, verified: int) -> None:
         """A row's block began with `copied` copies; `verified` drafts were checked and the first `accepted` kept.
@@ -77,6 +86,12 @@ class NgramLookup:
                 start = int(found[-1]) + n
                 return n, tokens[start : start + num_draft]
         return None
+
+    def start_call(self) -> None:
+        """A new generate() call (the same lookup serves a drafter's calls, `DFlashCandidateGenerator`)."""
+        for acceptance in self.acceptance.values():
+            acceptance.start_call()
+        self.copied = []
 
     def merge(self, sequences, active, lengths, drafts, confidence, num_draft: int):
         """Drafts `[rows, num_draft]` (and per-token confidences) with each row's copied continuation at its head."""
