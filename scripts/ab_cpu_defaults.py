@@ -7,9 +7,9 @@ Variants, each the shipped drafter at its defaults (`draft_length="auto"`, 2-gra
 - `measured`: `skinny_linear`'s kernel choice measured on this machine, confidences alone;
 - `realised`: measured kernels, and "auto" also stops drafting when the drafted steps realise fewer tokens per
   second than plain steps;
-- `defaults`: what the package does now: the above, and each generate() call starts from what "auto" and the copies
-  measured in the drafter's earlier calls (`drafter.draft_length_memory`); the variants before start every call
-  afresh.
+- `defaults`: what the package does now: the above, and each generate() call starts from the step costs and copy
+  rates measured in the drafter's earlier calls (`drafter.draft_length_memory`); the variants before start every
+  call afresh.
 Each round runs plain `generate()` and every variant on every prompt, in a shuffled order per prompt; every output is
 checked against plain `generate()`'s. Each variant keeps its own table of kernel choices for the whole run, and
 `defaults` its own memory.

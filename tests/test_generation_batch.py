@@ -290,9 +290,9 @@ def test_auto_stops_drafting_when_the_drafted_steps_realise_less_than_plain_step
 
 
 def test_auto_starts_each_call_from_what_the_earlier_calls_measured():
-    """A new call keeps the last KEPT steps of each width and drafts, the realised rate and the back-off; its first
-    draft (which also reads the prompt) is neither a draft's cost nor a realised rate. Copy rates carry over as if
-    from at most CARRIED tries."""
+    """A new call keeps the last KEPT steps of each width and drafts, but judges afresh whether drafting pays (a new
+    text); its first draft (which also reads the prompt) is neither a draft's cost nor a realised rate. Copy rates
+    carry over as if from at most CARRIED tries."""
     from transformers_dflash.draft_length import AutoDraftLength
     from transformers_dflash.ngram_lookup import CopyAcceptance
 
@@ -301,8 +301,10 @@ def test_auto_starts_each_call_from_what_the_earlier_calls_measured():
     for _ in range(AutoDraftLength.KEPT + 5):
         auto.record(1, 1.0)
         auto.record(3, 2.0, draft_seconds=0.5, accepted=torch.tensor([0]))
-    realised = auto.realised_tokens / auto.realised_seconds
+    auto.num_to_verify(torch.full((1, 4), 0.9))  # the drafter's confidences say that drafting pays ...
+    assert not auto.wants_draft()  # ... but it realised 1 token in 2.5 s against 1 in 1 s for plain steps
     auto.start_call()
+    assert auto.realised_seconds == 0 and auto.wants_draft()
     assert sorted({w: sum(1 for x, _ in auto.samples if x == w) for w in (1, 2, 3)}.items()) == [
         (1, AutoDraftLength.KEPT),
         (2, 1),
@@ -311,8 +313,7 @@ def test_auto_starts_each_call_from_what_the_earlier_calls_measured():
     assert len(auto.draft_seconds) == AutoDraftLength.KEPT and auto.first_draft_seconds == 9.0
     assert auto.num_to_verify(torch.full((1, 4), 0.9)) in range(5)  # no exploring: widths 1 and 2 are known
     auto.record(3, 2.0, draft_seconds=7.0, accepted=torch.tensor([2]))  # this call's first draft
-    assert auto.first_draft_seconds == 7.0 and auto.draft_seconds[-1] == 0.5
-    assert auto.realised_tokens / auto.realised_seconds == realised
+    assert auto.first_draft_seconds == 7.0 and auto.draft_seconds[-1] == 0.5 and auto.realised_seconds == 0
     copies = CopyAcceptance(block_size=4)
     for accepted in (1, 1, 1, 0) * 5:
         copies.record(copied=1, accepted=accepted, verified=1)

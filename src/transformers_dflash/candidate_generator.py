@@ -77,8 +77,8 @@ class DFlashCandidateGenerator(CandidateGenerator):
 
     def _resume(self, memory: dict | None, device: torch.device, batch_size: int) -> None:
         """Take over what "auto" and the copied drafts measured in this drafter's earlier generate() calls (step
-        costs per width, whether drafting pays, copy acceptance rates; the memory is `drafter.draft_length_memory`),
-        kept per device, thread count and batch size, since step costs depend on them."""
+        and draft costs, copy acceptance rates; the memory is `drafter.draft_length_memory`), kept per device, thread
+        count and batch size, since step costs depend on them."""
         if memory is None:
             return
         if isinstance(self.draft_length_policy, AutoDraftLength):

@@ -73,8 +73,9 @@ class AutoDraftLength(FullBlock):
     chosen length maximises the expected tokens per second of the whole batch (the sum over rows).
 
     One instance serves the generate() calls of one drafter on one device, thread count and batch size
-    (`DFlashCandidateGenerator`, `drafter.draft_length_memory`): each call starts from what the earlier ones measured
-    (`start_call`), so it neither explores widths again nor pays again to learn that drafting loses.
+    (`DFlashCandidateGenerator`, `drafter.draft_length_memory`): each call starts from the step costs and draft costs
+    the earlier ones measured (`start_call`), so it does not explore widths again; whether drafting pays depends on
+    the text, so each call judges that afresh.
     """
 
     uses_confidence = True
@@ -93,14 +94,17 @@ class AutoDraftLength(FullBlock):
 
     def start_call(self) -> None:
         """A new generate() call: keep the last `KEPT` steps of each width and the last `KEPT` drafts (older ones,
-        from shorter contexts, age out), the realised rate and the back-off; its first draft will read the prompt."""
+        from other contexts, age out); start the realised rate and the back-off afresh (a new text may suit the
+        drafter better or worse); its first draft will read the prompt."""
         kept, counts = [], {}
         for width, seconds in reversed(self.samples):
             counts[width] = counts.get(width, 0) + 1
             if counts[width] <= self.KEPT:
                 kept.append((width, seconds))
         self.samples, self.draft_seconds = kept[::-1], self.draft_seconds[-self.KEPT :]
-        self.awaiting_first_draft = True
+        self.awaiting_first_draft, self.draft_rate = True, None
+        self.realised_tokens = self.realised_seconds = 0.0
+        self.skipped, self.backoff = 0, 1
 
     def record(self, width, seconds, draft_seconds=None, accepted=None):
         """A step verified `width` tokens in `seconds`, after a draft of `draft_seconds` (None: no draft);
