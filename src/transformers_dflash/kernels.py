@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-# Row counts for which `skinny_linear` considers the transposed product: verification widths x batch rows (a
-# prefill keeps `F.linear`).
+# Row counts for which `skinny_linear` considers the transposed product: verification widths x batch rows, short
+# prefills (a longer product keeps `F.linear`).
 _MAX_ROWS = 256
 # The transposed product is chosen only when it measured at least this much faster: a near tie keeps `F.linear`,
 # which is bit for bit what plain decoding computes.
@@ -34,13 +34,13 @@ def skinny_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     measured faster on this machine, for a few float32 rows on a CPU.
 
     Which one is faster depends on the CPU and its BLAS, the weight's shape, the row count and torch's thread count,
-    and not in one direction (docs/benchmarks.md, "Linear kernels, measured per machine"): on a 2-core AMD EPYC the
-    transposed product streamed the weights once where MKL's GEMM took 1.6-1.8x a one-row product for 2..16 rows;
-    on a 2-core Intel Xeon with AVX-512 it was 1.1-2.8x SLOWER than `F.linear` for most shapes up to 4 rows. So each
-    (weight shape, row count, thread count) is timed once per process, on its first input, both kernels interleaved
-    (`_measure`; row counts above 8 share a power-of-two bucket), and the faster one is used from then on. Same
-    arithmetic, other summation order: results agree to float32 rounding, like any change of batch shape. Other
-    devices, dtypes and row counts take `F.linear` unchanged.
+    and not in one direction (docs/benchmarks.md, "a 2-core Intel Xeon, where the EPYC's kernel rule was a loss"):
+    on a 2-core AMD EPYC the transposed product streamed the weights once where MKL's GEMM took 1.6-1.8x a one-row
+    product for 2..16 rows; on a 2-core Intel Xeon with AVX-512 it was 1.1-2.8x SLOWER than `F.linear` for most
+    shapes up to 4 rows. So each (weight shape, row count, thread count) is timed once per process, on its first
+    input, both kernels interleaved (`_measure`; row counts above 8 share a power-of-two bucket), and the faster one
+    is used from then on. Same arithmetic, other summation order: results agree to float32 rounding, like any change
+    of batch shape. Other devices, dtypes and row counts take `F.linear` unchanged.
     """
     rows = input.numel() // input.shape[-1] if input.dim() > 0 and input.shape[-1] else 0
     if input.device.type != "cpu" or input.dtype != torch.float32 or not transposed_pays(weight, rows, input):
