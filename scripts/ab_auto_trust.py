@@ -67,6 +67,7 @@ def main():
                 if method != "plain":
                     AutoDraftLength.TRUSTED = CopyAcceptance.TRUSTED = rules[method][0]
                     CopyAcceptance.FORGET = rules[method][1]
+                    drafter.draft_length_memory.clear()  # every call afresh: neither rule inherits the other's figures
                     extra = dict(assistant_model=drafter)
                 start = time.perf_counter()
                 outputs[method] = target.generate(ids, **kwargs, **extra)
