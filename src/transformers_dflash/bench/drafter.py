@@ -42,6 +42,13 @@ def ngram_lookup(drafter, size):
     return drafter_setting(drafter, "ngram_lookup", size, 0)
 
 
+def draft_length_memory(drafter, memory: dict):
+    """Temporarily make `memory` what the drafter's "auto" and copied drafts carry from call to call
+    (`drafter.draft_length_memory`), so that each benchmarked method learns from its own calls only. A drafter whose
+    code predates the memory carries nothing, and is left as it is."""
+    return drafter_setting(drafter, "draft_length_memory", memory, memory)
+
+
 def parse_draft_length(text):
     """`--draft-length` values: "auto", "full" (or "none": the whole block) or a confidence threshold in [0, 1]."""
     if text is None or str(text).lower() in ("none", "full"):

@@ -14,7 +14,7 @@ from typing import Any
 
 from .assisted import AssistedRecorder
 from .builtin import builtin_dflash_available, to_builtin_drafter
-from .drafter import draft_length, fast_cpu_linears, ngram_lookup
+from .drafter import draft_length, draft_length_memory, fast_cpu_linears, ngram_lookup
 
 DEFAULT_METHODS = ("baseline", "dflash", "dflash_adaptive", "builtin_dflash", "prompt_lookup")
 # The *_skinny / dflash_stock_linears methods attribute speed to kernels: every method with the same CPU kernels
@@ -121,12 +121,15 @@ def _assisted(target, extra: dict) -> Generate:
 
 
 def _dflash(context: MethodContext, setting, fast_linears: bool = True, lookup: int | None = 0) -> Generate:
-    """Our DFlash path with the drafter's draft length, kernels and copied drafts set for the call."""
+    """Our DFlash path with the drafter's draft length, kernels and copied drafts set for the call, and its own
+    memory of what "auto" and the copies measured in this method's earlier calls."""
     target, drafter = context.target, context.drafter
+    memory = {}
 
     def generate(ids, kwargs):
         with draft_length(drafter, setting), fast_cpu_linears(drafter, fast_linears), ngram_lookup(drafter, lookup):
-            out = target.generate(ids, assistant_model=drafter, **kwargs)
+            with draft_length_memory(drafter, memory):
+                out = target.generate(ids, assistant_model=drafter, **kwargs)
         return out, list(drafter.last_acceptance_lengths)
 
     return generate
