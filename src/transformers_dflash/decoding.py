@@ -98,7 +98,8 @@ def dflash_decoding(
     align_rows = input_ids.shape[0] > 1 and (has_sliding_window(target) or rollback is not None)
     use_kernels = generator.fast_cpu_linears and input_ids.device.type == "cpu"
     # The row counts of a verification (widths x rows still decoding): the kernels measure them before the prefill.
-    rows = {width * batch for width in range(1, generator.block_size + 1) for batch in range(1, input_ids.shape[0] + 1)}
+    # A generator: read only where the kernels are used.
+    rows = (width * batch for width in range(1, generator.block_size + 1) for batch in range(1, input_ids.shape[0] + 1))
     kernels = cpu_kernels(target, drafter, rows=rows) if use_kernels else contextlib.nullcontext()
     with kernels, legacy_qwen3_next_continuation(target):  # the latter: transformers 4.57's Qwen3-Next only
         try:
