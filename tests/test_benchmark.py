@@ -106,6 +106,15 @@ def test_relative_rate():
     assert ratio["ratio"] == pytest.approx(1.5) and ratio["tau"] == 2.0
 
 
+def test_report_command_reads_as_the_dflash_command_it_ran():
+    from transformers_dflash.bench.report import command_line
+
+    module = "/x/src/transformers_dflash/cli/__main__.py"  # argv[0] of `python -m transformers_dflash.cli`
+    assert command_line([module, "bench", "--name", "a b"]) == "dflash bench --name 'a b'"
+    assert command_line(["/venv/bin/dflash", "bench"]) == "dflash bench"
+    assert command_line(["scripts/ab.py", "--rounds", "3"]) == "scripts/ab.py --rounds 3"
+
+
 def test_find_mismatches_flags_only_greedy_differences():
     samples = [
         _sample("baseline", 1.0, 4, output=[5, 6, 7, 8]),

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -32,6 +33,15 @@ def _git_commit() -> dict:
         return {"commit": commit, "dirty": bool(dirty)}
     except (OSError, subprocess.SubprocessError):
         return {"commit": None, "dirty": None}
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """The command that ran, as one can paste it again: `python -m transformers_dflash.cli ...` and the console script
+    both read `dflash ...` (argv[0] is then the module's file path, or the script's in a virtual environment)."""
+    program, *args = sys.argv if argv is None else argv
+    if Path(program).name == "dflash" or Path(program).parts[-3:] == ("transformers_dflash", "cli", "__main__.py"):
+        program = "dflash"
+    return shlex.join([program, *args])
 
 
 def _cpu_model() -> str:
@@ -63,7 +73,7 @@ def environment(device=None) -> dict:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "git": _git_commit(),
-        "command": " ".join(sys.argv),
+        "command": command_line(),
     }
     if device is not None and str(device).startswith("cuda"):
         env["gpu"] = torch.cuda.get_device_name(device)
