@@ -87,6 +87,11 @@ class AutoDraftLength(FullBlock):
         self.samples: list[tuple[int, float]] = []  # (verified width, seconds of verify + commit + any re-feed)
         self.draft_seconds: list[float] = []  # seconds of each draft but a call's first
         self.first_draft_seconds: float | None = None  # seconds of the last call's first draft
+        self._judge_afresh()
+
+    def _judge_afresh(self) -> None:
+        """Forget whether drafting pays (a new call's text may suit the drafter better or worse); the step and draft
+        costs stay. Its first draft will read the prompt."""
         self.awaiting_first_draft = True
         self.draft_rate: float | None = None  # expected tokens/s per row of the last drafted step, as chosen
         self.realised_tokens = self.realised_seconds = 0.0  # drafted steps: decayed sums (see the class docstring)
@@ -102,9 +107,7 @@ class AutoDraftLength(FullBlock):
             if counts[width] <= self.KEPT:
                 kept.append((width, seconds))
         self.samples, self.draft_seconds = kept[::-1], self.draft_seconds[-self.KEPT :]
-        self.awaiting_first_draft, self.draft_rate = True, None
-        self.realised_tokens = self.realised_seconds = 0.0
-        self.skipped, self.backoff = 0, 1
+        self._judge_afresh()
 
     def record(self, width, seconds, draft_seconds=None, accepted=None):
         """A step verified `width` tokens in `seconds`, after a draft of `draft_seconds` (None: no draft);
