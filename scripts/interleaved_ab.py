@@ -1,4 +1,4 @@
-"""What the A/B scripts share (`ab_cpu_defaults.py`, `ab_copy_rates.py`): their prompts, rounds that time plain
+"""What the A/B scripts share (`ab_cpu_defaults.py`, `ab_copy_rates.py`, `ab_auto_trust.py`): their prompts, rounds that time plain
 `generate()` and each variant on every prompt in a shuffled order, the check that every output equals plain
 decoding's, and the report. Not a test; imported by those scripts (they put `src/` on the path first)."""
 
@@ -13,13 +13,14 @@ from dataclasses import dataclass
 DEMO_PROMPT = "Explain in a few sentences why the sky is blue."
 
 
-def load_prompts(tokenizer, num_prompts: int):
-    """[(name, input ids)]: the demo's prompt, then `num_prompts` MT-Bench and `num_prompts` HumanEval prompts."""
+def load_prompts(tokenizer, num_prompts: int, demo: bool = True):
+    """[(name, input ids)]: the demo's prompt (unless `demo` is False), then `num_prompts` MT-Bench and `num_prompts`
+    HumanEval prompts."""
     from transformers_dflash.bench.prompts import select_prompts
     from transformers_dflash.bench.single_stream import encode_prompt
     from transformers_dflash.data import load_humaneval_prompts, load_mtbench_prompts
 
-    texts = [("demo", DEMO_PROMPT)] + [
+    texts = [("demo", DEMO_PROMPT)] * demo + [
         (name, p)
         for name, source in (("mtbench", load_mtbench_prompts()), ("humaneval", load_humaneval_prompts()))
         for p in select_prompts(source, num_prompts)[1]
@@ -87,7 +88,7 @@ def print_report(timings: Timings, threads: int, baseline: str | None = None) ->
     rounds, names = timings.rounds, timings.names
     plain_rate = [timings.new_tokens / rounds / timings.pooled("plain", r) for r in range(rounds)]
     print(
-        f"{threads} thread(s), {len(names)} prompts (demo, MT-Bench, HumanEval), greedy, "
+        f"{threads} thread(s), {len(names)} prompts ({', '.join(dict.fromkeys(names))}), greedy, "
         f"{timings.new_tokens // rounds} new tokens per round, {rounds} rounds; every output equal to plain's"
     )
     print(f"  plain: {statistics.median(plain_rate):.1f} tokens/s ({min(plain_rate):.1f}-{max(plain_rate):.1f})")
