@@ -235,14 +235,18 @@ def default_engine(
     top_p: float | None = None,
     top_k: int | None = None,
     max_new_tokens: int = 256,
+    pad_fraction: float | None = None,
 ) -> Any:
     """The transformers engine for `target` with the regeneration settings (greedy unless `do_sample`)."""
-    from .engines import TransformersEngine
+    from .engines import DEFAULT_PAD_FRACTION, TransformersEngine
 
     eos_ids = _eos_ids(target, tokenizer)
     pad_id = _pad_id(tokenizer, eos_ids)
     config = _generation_config(target, max_new_tokens, do_sample, temperature, top_p, top_k, pad_id, eos_ids)
-    return TransformersEngine(target, eos_ids, pad_id, batch_size=batch_size, generation_config=config)
+    pad_fraction = DEFAULT_PAD_FRACTION if pad_fraction is None else pad_fraction
+    return TransformersEngine(
+        target, eos_ids, pad_id, batch_size=batch_size, pad_fraction=pad_fraction, generation_config=config
+    )
 
 
 def _pad_id(tokenizer: Any, eos_ids: list[int]) -> int:

@@ -141,6 +141,13 @@ def add_features_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
         "--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16", help="storage dtype of the features"
     )
     parser.add_argument(
+        "--target-dtype",
+        choices=["auto", "bfloat16", "float32"],
+        default="auto",
+        help="dtype the target runs in (auto: bfloat16 on GPU, float32 on CPU); float32 on a GPU keeps the target's "
+        "choices (`target_ids`) those of the float32 target, e.g. for held-out sets replayed exactly",
+    )
+    parser.add_argument(
         "--top-k",
         type=int,
         default=0,
@@ -165,7 +172,11 @@ def run_features(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    target = load_target(args.target, torch.bfloat16 if device.type == "cuda" else torch.float32).to(device).eval()
+    if args.target_dtype == "auto":
+        target_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    else:
+        target_dtype = getattr(torch, args.target_dtype)
+    target = load_target(args.target, target_dtype).to(device).eval()
     layer_ids = args.target_layer_ids
     if layer_ids is None:
         lm_config = text_config(target.config)

@@ -347,6 +347,7 @@ def train(config: TrainingConfig, target: nn.Module | None = None) -> dict:
                 "lr": scheduler.get_last_lr()[0],
                 "grad_norm": float(grad_norm),
                 "tokens_per_second": train_tokens / train_time,
+                "train_seconds": round(train_time, 2),  # this run's, without resumed runs' time
             }
             loss_sum.zero_()
             steps_since_log = 0
