@@ -728,3 +728,27 @@ def test_cli_prints_input_errors_without_a_traceback(monkeypatch, capsys):
     monkeypatch.setattr(deferred, "run_features", bug)
     with pytest.raises(KeyError):  # a bug keeps its traceback
         cli.main(argv)
+
+
+@pytest.mark.parametrize(
+    ("option", "expected"), [([], torch.float32), (["--target-dtype", "bfloat16"], torch.bfloat16)]
+)
+def test_features_target_dtype(monkeypatch, option, expected):
+    """`dflash features --target-dtype`: the dtype the target runs in (auto: float32 on a CPU, bfloat16 on a GPU)."""
+    from transformers_dflash.training import arguments
+
+    loaded = {}
+
+    def fake_load_target(name, dtype):
+        loaded["dtype"] = dtype
+        return LlamaForCausalLM(
+            LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1)
+        ).to(dtype)  # fmt: skip
+
+    monkeypatch.setattr(arguments, "load_target", fake_load_target)
+    monkeypatch.setattr(arguments, "cache_context_features", lambda target, *args, **kwargs: Path("out"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    parser = arguments.add_features_arguments(argparse.ArgumentParser())
+    assert arguments.run_features(parser.parse_args(["--data", "d", "--out", "o", *option])) == 0
+    assert loaded["dtype"] == expected

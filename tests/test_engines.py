@@ -3,6 +3,7 @@ OpenAI-compatible server, all offline with tiny random models (the server runs i
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import socket
@@ -567,3 +568,18 @@ def test_sharegpt_answers_pair_the_training_prompts():
     prompts, answers = load_sharegpt_prompts(), load_sharegpt_answers()
     assert set(answers) <= set(prompts) and len(answers) > 0.9 * len(set(prompts))
     assert all(isinstance(a, str) and a for a in answers.values())
+
+
+def test_regenerate_pad_fraction_reaches_the_engine(target, tokenizer):
+    """--pad-fraction sets how loosely the transformers engine buckets prompts (looser fills GPU batches)."""
+    from transformers_dflash.data.arguments import build_engine
+
+    parser = data.add_regenerate_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--target", "t", "--out", "o"])
+    assert build_engine(args, target, tokenizer, None).pad_fraction == engines.DEFAULT_PAD_FRACTION
+    args = parser.parse_args(["--target", "t", "--out", "o", "--pad-fraction", "0.5", "--batch-size", "64"])
+    engine = build_engine(args, target, tokenizer, None)
+    assert engine.pad_fraction == 0.5 and engine.batch_size == 64
+    # looser buckets: prompts of 40 and 10 tokens share a batch at 0.5, not at the default
+    assert engines.length_buckets([40, 10], 64, 32, pad_fraction=0.5) == [[0, 1]]
+    assert engines.length_buckets([40, 10], 64, 32, pad_fraction=engines.DEFAULT_PAD_FRACTION) == [[0], [1]]

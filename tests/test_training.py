@@ -527,6 +527,9 @@ def test_checkpoint_resume_is_exact(tmp_path):
     resumed = train(small_config(tmp_path, tmp_path / "data", tmp_path / "b"), target=target)
     assert resumed["resumed_from"] == 2 and resumed["step"] == 4
     assert [r["step"] for r in read_log(tmp_path / "b") if "loss" in r] == [3, 4]
+    # each record carries this run's training seconds: steps per second between two records, loading left out
+    seconds = [r["train_seconds"] for r in read_log(tmp_path / "b") if "loss" in r]
+    assert 0 < seconds[0] <= seconds[1]
 
     final_a = DFlashDraftModel.from_pretrained(tmp_path / "a").state_dict()
     final_b = DFlashDraftModel.from_pretrained(tmp_path / "b").state_dict()
