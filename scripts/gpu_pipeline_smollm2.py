@@ -213,6 +213,9 @@ class Pipeline:
         self.note(f"{len(shards)} training shards: {manifest.get('totals')}")
 
         runs = [r for r in a.runs if r in RUNS]
+        if len(shards) < 4 and "ft2-quarter" in runs:  # a quarter of the shards would be all of them: not a data point
+            self.note(f"ft2-quarter left out: {len(shards)} shard(s) have no quarter (use a smaller --shard-size)")
+            runs.remove("ft2-quarter")
         probes = {
             name: self.train(name, self.work / "probe" / name, a.probe_steps, 0, f"probe-{name}") for name in runs
         }
@@ -250,7 +253,11 @@ class Pipeline:
             if source is None:
                 self.note(f"{name}: no drafter saved")
                 continue
-            weights = {k: v.to(torch.bfloat16) for k, v in load_file(source / "model.safetensors").items()}
+            # floating tensors only: the draft vocabulary's token ids would not survive bfloat16 (49151 -> 49152)
+            weights = {
+                k: v.to(torch.bfloat16) if v.is_floating_point() else v
+                for k, v in load_file(source / "model.safetensors").items()
+            }
             save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
             config = json.loads((source / "config.json").read_text())
             config["dtype"] = "bfloat16"
