@@ -580,6 +580,10 @@ def test_regenerate_pad_fraction_reaches_the_engine(target, tokenizer):
     args = parser.parse_args(["--target", "t", "--out", "o", "--pad-fraction", "0.5", "--batch-size", "64"])
     engine = build_engine(args, target, tokenizer, None)
     assert engine.pad_fraction == 0.5 and engine.batch_size == 64
+    with pytest.raises(ValueError, match="--pad-fraction -1.0: use a share"):
+        build_engine(
+            parser.parse_args(["--target", "t", "--out", "o", "--pad-fraction", "-1"]), target, tokenizer, None
+        )
     # looser buckets: prompts of 40 and 10 tokens share a batch at 0.5, not at the default
     assert engines.length_buckets([40, 10], 64, 32, pad_fraction=0.5) == [[0, 1]]
     assert engines.length_buckets([40, 10], 64, 32, pad_fraction=engines.DEFAULT_PAD_FRACTION) == [[0], [1]]

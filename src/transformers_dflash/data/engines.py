@@ -197,6 +197,10 @@ class TransformersEngine:
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if not pad_fraction >= 0:
+            raise ValueError(
+                f"--pad-fraction {pad_fraction}: use a share of a batch's slot, 0 or more (0.1 on a CPU, 0.5 on a GPU)"
+            )
         self.model = model
         self.eos_token_ids = [int(e) for e in eos_token_ids]
         self.pad_token_id = int(pad_token_id)
