@@ -20,6 +20,10 @@ and the MT-Bench and HumanEval prompts as JSONL files, so that `run` needs no Py
    held-out features (`val_replay_tau` in its log.jsonl).
 3. Each run's drafter in bfloat16 (config.json + model.safetensors) and its log under OUT.
 
+Every stage resumes: WORK/regen is a `dflash regenerate` folder, so answers carried over from an earlier run (its
+parquet shards and manifest.json: 1.3 MB per 4,096 answers) are kept and the regeneration goes on after them. The
+held-out sets are kept too; the training runs start afresh each time.
+
 Runs (`--runs`): ft2 = the shipped drafter fine-tuned on all answers; ft2-quarter = the same on the first quarter of
 the shards (the data axis of the curve); l4 = a 4-layer drafter from scratch on all answers.
 """
@@ -106,7 +110,9 @@ class Pipeline:
     ) -> int:
         """Wait for `process`; at `deadline` (seconds since the start) interrupt it. With `shards` (a folder it writes
         shards to), stop it as soon as a shard lands if the next one would not be done by the deadline."""
-        count, last_at, shard_seconds = 0, self.now(), 0.0
+        # shards already there (a resumed regeneration) are not timed: only those this run writes
+        count = len(list(shards.glob("shard-*.parquet"))) if shards is not None else 0
+        last_at, shard_seconds = self.now(), 0.0
         while process.poll() is None:
             if shards is not None:
                 now_count = len(list(shards.glob("shard-*.parquet")))
@@ -216,6 +222,11 @@ class Pipeline:
         if len(shards) < 4 and "ft2-quarter" in runs:  # a quarter of the shards would be all of them: not a data point
             self.note(f"ft2-quarter left out: {len(shards)} shard(s) have no quarter (use a smaller --shard-size)")
             runs.remove("ft2-quarter")
+        # Training starts afresh in every run (its step counts follow this run's budget and data): only the answers
+        # and the held-out sets carry over.
+        for name in runs:
+            shutil.rmtree(self.work / "probe" / name, ignore_errors=True)
+            shutil.rmtree(self.work / name, ignore_errors=True)
         probes = {
             name: self.train(name, self.work / "probe" / name, a.probe_steps, 0, f"probe-{name}") for name in runs
         }
