@@ -1,6 +1,8 @@
 """Tiny randomly initialised targets and drafters, built in-process (CI has no model hub)."""
 
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -136,3 +138,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def load_script(name):
+    """scripts/<name>.py as a module (the scripts are files, not a package)."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

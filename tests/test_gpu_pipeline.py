@@ -2,23 +2,17 @@
 commands, tested with their own modules; the whole script ran on an H200, docs/training.md)."""
 
 import argparse
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_script
 from safetensors.torch import load_file, save_file
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_pipeline_smollm2.py"
 
 
 @pytest.fixture(scope="module")
 def pipeline():
-    spec = importlib.util.spec_from_file_location("gpu_pipeline_smollm2", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gpu_pipeline_smollm2")
 
 
 def _pipeline(module, tmp_path):

@@ -2,21 +2,16 @@
 training and benchmark commands, tested with their own modules)."""
 
 import argparse
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "tau_curve.py"
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def tau_curve():
-    spec = importlib.util.spec_from_file_location("tau_curve", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tau_curve")
 
 
 def _features(folder, num_shards):
@@ -97,10 +92,7 @@ def test_report_of_replayed_evaluations(tau_curve, tmp_path):
 
 @pytest.fixture(scope="module")
 def heldout_tau():
-    spec = importlib.util.spec_from_file_location("heldout_tau", SCRIPT.parent / "heldout_tau.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("heldout_tau")
 
 
 def test_heldout_tau_pools_steps_and_brackets_them(heldout_tau):
