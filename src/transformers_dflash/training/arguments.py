@@ -7,7 +7,7 @@ import torch
 
 from ..target_model import text_config
 from .features import cache_context_features
-from .loop import DRAFTER_DEFAULTS, TrainingConfig, load_target, train
+from .loop import DRAFTER_DEFAULTS, TrainingConfig, load_target, target_dtype, train
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -172,11 +172,7 @@ def run_features(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if args.target_dtype == "auto":
-        target_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    else:
-        target_dtype = getattr(torch, args.target_dtype)
-    target = load_target(args.target, target_dtype).to(device).eval()
+    target = load_target(args.target, target_dtype(args.target_dtype, device)).to(device).eval()
     layer_ids = args.target_layer_ids
     if layer_ids is None:
         lm_config = text_config(target.config)

@@ -68,6 +68,13 @@ class TrainingConfig:
     seed: int = 0
 
 
+def target_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The dtype the frozen target runs in: "auto" is bfloat16 on a GPU and float32 on a CPU, else the named dtype."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
 def load_target(name_or_path: str, dtype: torch.dtype) -> nn.Module:
     """The target model: `transformers_dflash.smollm2.load_smollm2()` for "smollm2", else AutoModelForCausalLM."""
     if name_or_path == "smollm2":
@@ -186,9 +193,7 @@ def train(config: TrainingConfig, target: nn.Module | None = None) -> dict:
 
     # Target: frozen.
     if target is None:
-        names = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32}
-        dtype = names.get(config.target_dtype) or getattr(torch, config.target_dtype)
-        target = load_target(config.target, dtype)
+        target = load_target(config.target, target_dtype(config.target_dtype, device))
     target.requires_grad_(False)
     target.eval()
     target.to(device)
