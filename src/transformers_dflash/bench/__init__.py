@@ -25,8 +25,8 @@ histogram, and r = tau / speedup (the implied per-step overhead: 1.0 is ideal). 
 output equals the baseline's and flag any mismatch. Writes JSON (with the environment), Markdown and a PNG plot.
 
 One module per concern, each depending only on those before it:
-`metrics` (report arithmetic on plain numbers), `drafter` (run-time settings), `assisted` (what transformers' loop
-accepted), `builtin` (the built-in path with our weights), `methods` (the registry), `profile` (where a step's time
+`metrics` (report arithmetic on plain numbers), `drafter` (run-time settings), `fixed_costs` (step costs held
+fixed, `--fixed-step-costs`: drafters compared by their drafts alone), `assisted` (what transformers' loop accepted), `builtin` (the built-in path with our weights), `methods` (the registry), `profile` (where a step's time
 goes), `report` (environment, Markdown, plot, files), `single_stream` (`run_benchmark`), `batched`
 (`run_batch_benchmark`), `kernels` (`run_linear_benchmark`), `prompts`. The command line is `transformers_dflash.cli
 .bench`; nothing here imports it. Measured figures: docs/benchmarks.md.
@@ -42,6 +42,7 @@ from .builtin import (
     to_builtin_drafter,
 )
 from .drafter import core_module, draft_length, drafter_setting, fast_cpu_linears, ngram_lookup, parse_draft_length
+from .fixed_costs import FixedCostDraftLength, StepCosts, measure_step_costs
 from .kernels import format_linear_markdown, run_linear_benchmark
 from .methods import (
     BATCH_METHODS,
@@ -87,6 +88,9 @@ __all__ = [
     "Method",
     "MethodSpec",
     "Sample",
+    "StepCosts",
+    "FixedCostDraftLength",
+    "measure_step_costs",
     "StepProfiler",
     "acceptance_histogram",
     "acceptance_steps",

@@ -3,7 +3,9 @@ run here and how it generates.
 
 A method's generate function is `generate(input_ids, kwargs) -> (sequences, acceptance or None)`, where `kwargs` are
 the common `generate()` arguments (attention mask, max_new_tokens, sampling settings, pad id) and acceptance lists
-the tokens committed per target forward, prefill first, like `drafter.last_acceptance_lengths`.
+the tokens committed per target forward, prefill first, like `drafter.last_acceptance_lengths`. With fixed step costs
+(`fixed_costs.py`), a generate function also has `modelled_seconds`: what the table says its last call's steps cost
+(None where it cannot say, e.g. a method that does not choose widths by cost).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 from .assisted import AssistedRecorder
 from .builtin import builtin_dflash_available, to_builtin_drafter
 from .drafter import draft_length, draft_length_memory, fast_cpu_linears, ngram_lookup
+from .fixed_costs import StepCosts, fixed_cost_policy, seed_memory
 
 DEFAULT_METHODS = ("baseline", "dflash", "dflash_adaptive", "builtin_dflash", "prompt_lookup")
 # The *_skinny / dflash_stock_linears methods attribute speed to kernels: every method with the same CPU kernels
@@ -65,6 +68,7 @@ class MethodContext:
     early_exit_layer: int | None = None
     assistant_model: Any = None
     adaptive_draft_length: Any = "auto"
+    step_costs: StepCosts | None = None  # fixed step costs for "auto" (None: it measures its own)
 
     @property
     def lookup_size(self) -> int:
@@ -91,9 +95,16 @@ class MethodSpec:
 
 
 def _plain(context: MethodContext) -> Generate:
-    def generate(ids, kwargs):
-        return context.target.generate(ids, **kwargs), None
+    costs = context.step_costs
 
+    def generate(ids, kwargs):
+        out = context.target.generate(ids, **kwargs)
+        if costs is not None:  # one plain step per token after the prefill's
+            sequences = out.sequences if hasattr(out, "sequences") else out
+            generate.modelled_seconds = max(sequences.shape[1] - ids.shape[1] - 1, 0) * costs.verify(1)
+        return out, None
+
+    generate.modelled_seconds = None
     return generate
 
 
@@ -123,15 +134,25 @@ def _assisted(target, extra: dict) -> Generate:
 def _dflash(context: MethodContext, setting, fast_linears: bool = True, lookup: int | None = 0) -> Generate:
     """Our DFlash path with the drafter's draft length, kernels and copied drafts set for the call, and its own
     memory of what "auto" and the copies measured in this method's earlier calls."""
+    from ..draft_length import default_draft_length
+
     target, drafter = context.target, context.drafter
     memory = {}
+    device = target.get_input_embeddings().weight.device  # where verification runs, as the generator decides
+    fixed = context.step_costs is not None and (setting or default_draft_length(device)) == "auto"
 
     def generate(ids, kwargs):
+        if fixed:
+            seed_memory(memory, context.step_costs, drafter, batch_size=ids.shape[0])
+            before = fixed_cost_policy(memory).modelled_seconds
         with draft_length(drafter, setting), fast_cpu_linears(drafter, fast_linears), ngram_lookup(drafter, lookup):
             with draft_length_memory(drafter, memory):
                 out = target.generate(ids, assistant_model=drafter, **kwargs)
+        if fixed:
+            generate.modelled_seconds = fixed_cost_policy(memory).modelled_seconds - before
         return out, list(drafter.last_acceptance_lengths)
 
+    generate.modelled_seconds = None
     return generate
 
 
@@ -280,8 +301,10 @@ def build_methods(
     early_exit_layer: int | None = None,
     assistant_model=None,
     adaptive_draft_length="auto",
+    step_costs: StepCosts | None = None,
 ) -> tuple[list[Method], dict[str, str]]:
-    """The requested methods that can run here, and `{name: reason}` for those that cannot."""
+    """The requested methods that can run here, and `{name: reason}` for those that cannot. `step_costs`: fixed
+    costs for every method that chooses widths with "auto" (and for plain decoding's modelled time)."""
     context = MethodContext(
         target,
         drafter,
@@ -291,6 +314,7 @@ def build_methods(
         early_exit_layer,
         assistant_model,
         adaptive_draft_length,
+        step_costs,
     )
     methods, skipped = [], {}
     for name in names:

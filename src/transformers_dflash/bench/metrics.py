@@ -89,6 +89,7 @@ class Sample:
     seconds: float
     acceptance: list[int] | None = None  # tokens per target forward, prefill first (None: not measured)
     output: list[int] = field(default_factory=list, repr=False)  # the new token ids
+    modelled_seconds: float | None = None  # the steps' cost under fixed step costs (None: not modelled)
 
     def to_dict(self, with_output: bool = False) -> dict:
         data = asdict(self)
@@ -137,6 +138,13 @@ def _rate(runs: Sequence[Sample]) -> float:
     return tokens_per_second(sum(s.new_tokens for s in runs), sum(s.seconds for s in runs))
 
 
+def _modelled_rate(runs: Sequence[Sample]) -> float:
+    """Total new tokens over total modelled seconds (fixed step costs) of `runs`; NaN unless every run has them."""
+    if not runs or any(s.modelled_seconds is None for s in runs):
+        return math.nan
+    return tokens_per_second(sum(s.new_tokens for s in runs), sum(s.modelled_seconds for s in runs))
+
+
 def median_and_range(values: Sequence[float]) -> tuple[float, float, float]:
     """(median, min, max) of the finite values (NaNs when there are none)."""
     finite = [v for v in values if math.isfinite(v)]
@@ -157,7 +165,8 @@ def summarize(
     log. speedup is relative to the baseline row of the same temperature and dataset; tau, its histogram and r pool
     the verification steps of all runs (baseline: tau = 1 by definition). speedup_per_repeat has the same ratio per
     repeat index (repeat k of every prompt against the baseline's repeat k, which ran beside it), so that its median
-    and range show how far machine noise moves the pooled figure.
+    and range show how far machine noise moves the pooled figure. With fixed step costs, modelled_tokens_per_s and
+    modelled_speedup are the same figures with every run's modelled seconds for its wall time (NaN without them).
     """
     mismatches = find_mismatches(samples, baseline) if mismatches is None else mismatches
     temperatures = sorted({s.temperature for s in samples})
@@ -177,14 +186,14 @@ def summarize(
             ]
 
         base = pick(baseline)
-        base_rate = _rate(base)
+        base_rate, base_modelled = _rate(base), _modelled_rate(base)
         base_rates = {k: _rate([s for s in base if s.repeat == k]) for k in sorted({s.repeat for s in base})}
         for method in methods:
             runs = pick(method)
             if not runs:
                 continue
             tokens, seconds = sum(s.new_tokens for s in runs), sum(s.seconds for s in runs)
-            rate = tokens_per_second(tokens, seconds)
+            rate, modelled = tokens_per_second(tokens, seconds), _modelled_rate(runs)
             gain = speedup(rate, base_rate)
             per_repeat = [
                 speedup(_rate([s for s in runs if s.repeat == k]), rate_k) for k, rate_k in base_rates.items()
@@ -209,6 +218,8 @@ def summarize(
                     "tpot_ms": time_per_output_token_ms(tokens, seconds),
                     "speedup": gain,
                     "speedup_per_repeat": per_repeat,
+                    "modelled_tokens_per_s": modelled,
+                    "modelled_speedup": speedup(modelled, base_modelled),
                     "tau": tau,
                     "acceptance_histogram": histogram,
                     "r": overhead_ratio(tau, gain),
@@ -239,6 +250,9 @@ def relative_rate(rows: Sequence[dict], method: str, other: str) -> list[dict]:
                 "dataset": dataset,
                 "ratio": speedup(row["tokens_per_s"], other_row["tokens_per_s"]),
                 "ratio_per_repeat": [speedup(a, b) for a, b in paired],
+                "modelled_ratio": speedup(
+                    row.get("modelled_tokens_per_s", math.nan), other_row.get("modelled_tokens_per_s", math.nan)
+                ),
                 "tau": row["tau"],
                 "other_tau": other_row["tau"],
             }

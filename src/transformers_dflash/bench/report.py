@@ -94,6 +94,12 @@ def fmt(value, spec: str) -> str:
     return format(value, spec)
 
 
+def _times(value) -> str:
+    """A ratio as `1.08x` ("n/a" when there is none)."""
+    text = fmt(value, ".2f")
+    return text if text == "n/a" else text + "x"
+
+
 def _median_range_cell(ratios) -> str:
     """A table cell (with its closing bar) of per-repeat ratios: `1.84x (1.75-2.05)`."""
     median, low, high = median_and_range(ratios or [])
@@ -136,6 +142,17 @@ def format_markdown(report: Mapping[str, Any]) -> str:
         lines += [f"> **Note.** {note}", ""]
     rows = report["summary"]
     per_repeat = settings.get("repeats", 1) > 1
+    costs = settings.get("fixed_step_costs")
+    modelled = bool(costs)
+    if modelled:
+        verify = ", ".join(f"{1000 * s:.1f}" for s in costs["verify_seconds"])
+        drafts = ", ".join(f"{1000 * s:.1f}" for s in costs["draft_seconds"].values())
+        lines += [
+            f"- fixed step costs (ms): verify 1..{len(costs['verify_seconds'])} tokens {verify}; draft {drafts}. "
+            '"auto" chose every width from these, not from its own timing: the modelled figures depend on the '
+            "drafts alone.",
+            "",
+        ]
     for temperature in sorted({r["temperature"] for r in rows}):
         kind = "greedy" if temperature == 0 else "sampling"
         lines += [
@@ -143,14 +160,20 @@ def format_markdown(report: Mapping[str, Any]) -> str:
             "",
             "| dataset | method | tokens/s | TPOT (ms) | speedup |"
             + (" speedup per repeat: median (min-max) |" if per_repeat else "")
+            + (" modelled speedup |" if modelled else "")
             + " tau | r = tau/speedup | new tokens | mismatches |",
-            "|---|---|---:|---:|---:|" + ("---:|" if per_repeat else "") + "---:|---:|---:|---:|",
+            "|---|---|---:|---:|---:|"
+            + ("---:|" if per_repeat else "")
+            + ("---:|" if modelled else "")
+            + "---:|---:|---:|---:|",
         ]
         for r in rows:
             if r["temperature"] != temperature:
                 continue
             mismatch = "-" if temperature > 0 else str(r["mismatches"])
             spread = _median_range_cell(r.get("speedup_per_repeat")) if per_repeat else ""
+            if modelled:
+                spread += f" {_times(r.get('modelled_speedup'))} |"
             lines.append(
                 f"| {r['dataset']} | {labels.get(r['method'], r['method'])} | {fmt(r['tokens_per_s'], '.1f')} | "
                 f"{fmt(r['tpot_ms'], '.1f')} | {fmt(r['speedup'], '.2f')}x |{spread} {fmt(r['tau'], '.2f')} | "
@@ -164,11 +187,14 @@ def format_markdown(report: Mapping[str, Any]) -> str:
             "",
             "| temperature | dataset | tokens/s ratio |"
             + (" per repeat: median (min-max) |" if per_repeat else "")
+            + (" modelled ratio |" if modelled else "")
             + f" tau {comparison['method']} | tau {comparison['other']} |",
-            "|---:|---|---:|" + ("---:|" if per_repeat else "") + "---:|---:|",
+            "|---:|---|---:|" + ("---:|" if per_repeat else "") + ("---:|" if modelled else "") + "---:|---:|",
         ]
         for c in comparison["rows"]:
             spread = _median_range_cell(c.get("ratio_per_repeat")) if per_repeat else ""
+            if modelled:
+                spread += f" {_times(c.get('modelled_ratio'))} |"
             lines.append(
                 f"| {c['temperature']:g} | {c['dataset']} | {fmt(c['ratio'], '.2f')}x |{spread} "
                 f"{fmt(c['tau'], '.2f')} | {fmt(c['other_tau'], '.2f')} |"
@@ -255,6 +281,12 @@ def format_markdown(report: Mapping[str, Any]) -> str:
             " speedup per repeat: the same ratio for each repeat k (every prompt's k-th run against plain "
             "generate()'s k-th run, timed beside it), median and range over the repeats."
             if per_repeat
+            else ""
+        )
+        + (
+            " modelled: the same with each run's time taken from the fixed step costs (the table's cost of the "
+            "steps it took), so that it does not move with machine noise."
+            if modelled
             else ""
         ),
         "",

@@ -60,7 +60,8 @@ def _pad_token_id(tokenizer, target) -> int:
 
 
 def _timed(method: Method, ids, kwargs: dict, sample_seed: int | None, device) -> tuple[list[int], Any, float]:
-    """One run of `method`: its new tokens, its acceptance lengths and its wall time (sampling reseeded first)."""
+    """One run of `method`: its new tokens, its acceptance lengths and its wall time (sampling reseeded first); the
+    run's modelled seconds (fixed step costs) are then `method.generate.modelled_seconds`."""
     import torch
 
     if sample_seed is not None:
@@ -102,6 +103,7 @@ def _time_methods(
                     for method in order:
                         bar.set_postfix_str(f"{dataset} #{index} {method.name} T={temperature:g}")
                         output, acceptance, seconds = run(method, ids, seed * 1_000_003 + index * 101 + repeat)
+                        modelled = getattr(method.generate, "modelled_seconds", None)
                         samples.append(
                             Sample(
                                 method=method.name,
@@ -114,6 +116,7 @@ def _time_methods(
                                 seconds=seconds,
                                 acceptance=list(acceptance) if acceptance is not None else None,
                                 output=output,
+                                modelled_seconds=modelled,
                             )
                         )
                         bar.update()
@@ -169,6 +172,7 @@ def run_benchmark(
     early_exit_layer: int | None = None,
     assistant_model=None,
     adaptive_draft_length="auto",
+    step_costs=None,
     check_drafts: bool = True,
     profile: bool = False,
     progress: bool = True,
@@ -185,6 +189,8 @@ def run_benchmark(
     extra_methods: more `Method`s (e.g. your own decoding loop), timed and checked like the others.
     comparisons: `(method, other)` name pairs to compare head to head (`relative_rate`: pooled and per repeat), beside
     the built-in ones (ours against the built-in path and prompt lookup); e.g. `[("mine", "dflash")]`.
+    step_costs: a `fixed_costs.StepCosts` that every "auto" method chooses widths from instead of its own timing, so
+    that drafters are compared by their drafts alone (the summary then has modelled rates beside the measured ones).
     Per temperature, every method first runs `warmup` untimed times on the first prompt; then, prompt by prompt,
     each method runs `repeats` timed times, interleaved, in an order rotated from prompt to prompt. Sampling
     (temperature > 0: pure sampling, top_k=0, top_p=1) reseeds torch with the same seed for every method.
@@ -206,6 +212,7 @@ def run_benchmark(
         early_exit_layer=early_exit_layer,
         assistant_model=assistant_model,
         adaptive_draft_length=adaptive_draft_length,
+        step_costs=step_costs,
     )
     method_list += list(extra_methods)
     taken = [m.name for m in method_list]
@@ -297,6 +304,7 @@ def run_benchmark(
             "prompt_lookup_tokens": prompt_lookup_tokens,
             "block_size": block_size,
             "adaptive_draft_length": adaptive_draft_length,
+            "fixed_step_costs": step_costs.to_dict() if step_costs is not None else None,
             "drafter": drafter_description,
             "drafter_trained": drafter_trained,
             "chat_template_kwargs": template_kwargs,

@@ -60,6 +60,19 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "which is added to --methods); repeat the option for several",
     )
     parser.add_argument(
+        "--fixed-step-costs",
+        nargs="?",
+        const="measure",
+        default=None,
+        metavar="FILE",
+        help="compare drafters by their drafts alone: every 'auto' draft length (the CPU default) chooses its widths "
+        "from one table of step costs, not from its own timing, and the report adds modelled speedups (the table's "
+        "cost of the steps taken). Without FILE the costs are measured first: --drafter decodes the first prompt "
+        "verifying 1, 2, ... block-size tokens every step; "
+        "FILE: a report JSON of an earlier run with this option (or verify_seconds and draft_seconds), to reuse its "
+        "costs",
+    )
+    parser.add_argument(
         "--block-size", type=int, default=None, help="block size (default: the drafter's; 16 untrained)"
     )
     parser.add_argument("--drafter-layers", type=int, default=1, help="layers of an untrained drafter")
@@ -251,6 +264,11 @@ def run_bench(args: argparse.Namespace) -> int:
             "dflash bench: --chat-template-kwargs has no effect with --quick, whose prompts are random token ids "
             "(no chat template is applied); leave it out, or benchmark a --target with a chat template."
         )
+    if args.fixed_step_costs and (args.batch_sizes or args.linear_kernels):
+        raise SystemExit(
+            "dflash bench: --fixed-step-costs applies to the per-prompt benchmark; leave out --batch-sizes and "
+            "--linear-kernels."
+        )
     if args.compare_drafter and (args.quick or args.batch_sizes or args.linear_kernels):
         raise SystemExit(
             "dflash bench: --compare-drafter needs the per-prompt benchmark of a real target; leave out --quick, "
@@ -335,7 +353,9 @@ def _run_single_stream_command(
     from ..bench.report import format_markdown, write_report
     from ..bench.single_stream import run_benchmark
 
-    compared = _compared_drafters(args, target)
+    compared_drafters = _load_compared_drafters(args, target)
+    step_costs = _fixed_step_costs(args, target, tokenizer, datasets, [drafter] + [d for _, d, _ in compared_drafters])
+    compared = _compared_methods(compared_drafters, target, step_costs)
     report = run_benchmark(
         target,
         drafter,
@@ -353,6 +373,7 @@ def _run_single_stream_command(
         early_exit_layer=args.early_exit_layer,
         assistant_model=assistant,
         adaptive_draft_length=adaptive_setting,
+        step_costs=step_costs,
         check_drafts=not args.no_draft_check,
         profile=args.profile,
         progress=not args.no_progress,
@@ -367,15 +388,64 @@ def _run_single_stream_command(
     return 0
 
 
-def _compared_drafters(args, target) -> list:
-    """Each `--compare-drafter` folder's drafter at its defaults, as a method named after the folder."""
-    from ..bench.methods import Method, build_methods
+def _load_compared_drafters(args, target) -> list:
+    """`(folder, drafter, description)` of each `--compare-drafter`."""
     from ..runtime import load_drafter
 
-    methods = []
+    loaded = []
     for path in args.compare_drafter or []:
         drafter, description, _ = load_drafter(target, path, args.block_size, attn=args.attn_implementation)
-        built, skipped = build_methods(target, drafter, ["dflash_defaults"])
+        loaded.append((path, drafter, description))
+    return loaded
+
+
+def _fixed_step_costs(args, target, tokenizer, datasets, drafters):
+    """`--fixed-step-costs`: the `StepCosts` read from its file, or measured with the drafters on the first prompt
+    (None without the option)."""
+    from ..bench.fixed_costs import StepCosts, drafter_shape, measure_step_costs
+    from ..bench.single_stream import _generate_kwargs, _pad_token_id, encode_prompt
+
+    if not args.fixed_step_costs:
+        return None
+    if args.fixed_step_costs != "measure":
+        try:
+            costs = StepCosts.load(args.fixed_step_costs)
+        except ValueError as error:
+            raise SystemExit(f"dflash bench: --fixed-step-costs: {error}") from None
+        missing = [d for d in drafters if drafter_shape(d) not in costs.draft_seconds]
+        if missing:
+            raise SystemExit(
+                f"dflash bench: --fixed-step-costs {args.fixed_step_costs} has no draft cost for {len(missing)} of "
+                "the drafters (a different shape from the ones it was measured with); leave out FILE to measure anew."
+            )
+        return costs
+    device = next(target.parameters()).device
+    first = next(iter(datasets.values()))[0]
+    ids = encode_prompt(tokenizer, first, device, args.chat_template_kwargs)
+    # Enough steps per width for a median, without decoding the whole budget at every width.
+    kwargs = _generate_kwargs(ids, min(args.max_new_tokens, 64), 0.0, _pad_token_id(tokenizer, target))
+    block_size = max(d.config.block_size for d in drafters)
+    print(f"Measuring the step costs (widths 1..{block_size}, first prompt)...", file=sys.stderr)
+    try:
+        costs = measure_step_costs(target, drafters, ids, kwargs, block_size)
+    except ValueError as error:
+        raise SystemExit(f"dflash bench: --fixed-step-costs: {error}") from None
+    verify = ", ".join(f"{1000 * s:.1f}" for s in costs.verify_seconds)
+    print(
+        f"Step costs (ms): verify 1..{block_size} tokens {verify}; drafts "
+        + ", ".join(f"{1000 * s:.1f}" for s in costs.draft_seconds.values()),
+        file=sys.stderr,
+    )
+    return costs
+
+
+def _compared_methods(compared_drafters, target, step_costs) -> list:
+    """Each `--compare-drafter` folder's drafter at its defaults, as a method named after the folder."""
+    from ..bench.methods import Method, build_methods
+
+    methods = []
+    for path, drafter, description in compared_drafters:
+        built, skipped = build_methods(target, drafter, ["dflash_defaults"], step_costs=step_costs)
         if skipped:
             raise SystemExit(f"dflash bench: --compare-drafter {path}: {skipped['dflash_defaults']}.")
         name = f"dflash_defaults:{Path(path).name}"
