@@ -181,6 +181,15 @@ def test_cli_fixed_step_costs(tmp_path, capsys):
         return [(s["acceptance"], s["modelled_seconds"]) for s in report["samples"]]
 
     assert steps(second) == steps(first)
+    # A costs file that lacks a drafter's shape: that draft cost is measured and added, the rest kept.
+    shapeless = dict(first["settings"]["fixed_step_costs"], draft_seconds={})
+    (tmp_path / "shapeless.json").write_text(json.dumps(shapeless))
+    args = build_parser().parse_args(
+        common + ["--fixed-step-costs", str(tmp_path / "shapeless.json"), "--output-dir", str(tmp_path / "d")]
+    )
+    assert args._dflash_run(args) == 0
+    filled = json.loads((tmp_path / "d" / "bench.json").read_text())["settings"]["fixed_step_costs"]
+    assert filled["verify_seconds"] == shapeless["verify_seconds"] and len(filled["draft_seconds"]) == 1
     for bad, message in (
         (["--fixed-step-costs", str(tmp_path / "none.json")], "no step-cost file"),
         (["--fixed-step-costs", "--batch-sizes", "1,2"], "per-prompt benchmark"),

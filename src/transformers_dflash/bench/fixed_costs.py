@@ -153,14 +153,16 @@ class _FixedWidth(FullBlock):
         self.first = self.first and draft_seconds is None
 
 
-def measure_step_costs(target, drafters, input_ids, generate_kwargs: dict, block_size: int, rounds: int = 3):
+def measure_step_costs(
+    target, drafters, input_ids, generate_kwargs: dict, block_size: int, rounds: int = 3, costs: StepCosts | None = None
+) -> StepCosts:
     """Step costs measured in the decoding loop itself: the reference drafter (`drafters[0]`) decodes `input_ids`
     verifying w = 1 .. `block_size` tokens every step, the widths interleaved over `rounds` rounds; each width costs
     the median of its steps (and no less than a narrower width), a draft the median of the drafts. Every other drafter
-    shape gets the median draft of its own whole-block runs. No copied drafts: a draft's cost is the drafter's."""
+    shape gets the median draft of its own whole-block runs. No copied drafts: a draft's cost is the drafter's.
+    Given `costs`, only the draft costs of the shapes it lacks are measured, and added to it."""
     from statistics import median
 
-    costs = None
     for drafter in drafters:
         shape = drafter_shape(drafter)
         if costs is not None and shape in costs.draft_seconds:

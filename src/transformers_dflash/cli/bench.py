@@ -70,7 +70,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "cost of the steps taken). Without FILE the costs are measured first: --drafter decodes the first prompt "
         "verifying 1, 2, ... block-size tokens every step; "
         "FILE: a report JSON of an earlier run with this option (or verify_seconds and draft_seconds), to reuse its "
-        "costs",
+        "costs (a drafter of a shape it lacks has its draft cost measured)",
     )
     parser.add_argument(
         "--block-size", type=int, default=None, help="block size (default: the drafter's; 16 untrained)"
@@ -407,32 +407,29 @@ def _fixed_step_costs(args, target, tokenizer, datasets, drafters):
 
     if not args.fixed_step_costs:
         return None
+    costs = None
     if args.fixed_step_costs != "measure":
         try:
             costs = StepCosts.load(args.fixed_step_costs)
         except ValueError as error:
             raise SystemExit(f"dflash bench: --fixed-step-costs: {error}") from None
-        missing = [d for d in drafters if drafter_shape(d) not in costs.draft_seconds]
-        if missing:
-            raise SystemExit(
-                f"dflash bench: --fixed-step-costs {args.fixed_step_costs} has no draft cost for {len(missing)} of "
-                "the drafters (a different shape from the ones it was measured with); leave out FILE to measure anew."
-            )
-        return costs
+        if all(drafter_shape(d) in costs.draft_seconds for d in drafters):
+            return costs
     device = next(target.parameters()).device
     first = next(iter(datasets.values()))[0]
     ids = encode_prompt(tokenizer, first, device, args.chat_template_kwargs)
     # Enough steps per width for a median, without decoding the whole budget at every width.
     kwargs = _generate_kwargs(ids, min(args.max_new_tokens, 64), 0.0, _pad_token_id(tokenizer, target))
     block_size = max(d.config.block_size for d in drafters)
-    print(f"Measuring the step costs (widths 1..{block_size}, first prompt)...", file=sys.stderr)
+    what = f"widths 1..{block_size}" if costs is None else "the draft costs of drafter shapes the file lacks"
+    print(f"Measuring the step costs ({what}, first prompt)...", file=sys.stderr)
     try:
-        costs = measure_step_costs(target, drafters, ids, kwargs, block_size)
+        costs = measure_step_costs(target, drafters, ids, kwargs, block_size, costs=costs)
     except ValueError as error:
         raise SystemExit(f"dflash bench: --fixed-step-costs: {error}") from None
     verify = ", ".join(f"{1000 * s:.1f}" for s in costs.verify_seconds)
     print(
-        f"Step costs (ms): verify 1..{block_size} tokens {verify}; drafts "
+        f"Step costs (ms): verify 1..{len(costs.verify_seconds)} tokens {verify}; drafts "
         + ", ".join(f"{1000 * s:.1f}" for s in costs.draft_seconds.values()),
         file=sys.stderr,
     )
