@@ -428,6 +428,24 @@ def test_copies_of_each_match_length_keep_their_own_rates():
     assert confidence[0, 0] > 0.8 and confidence[1, 0] < 0.2
 
 
+def test_a_confident_drafter_keeps_its_drafts_over_a_poor_copy():
+    """A copy heads the block only where it is expected to have more drafts accepted than the drafter's own (the sum
+    of cumulative confidences); without the drafter's scores (it did not run, or "full" asks for none) it always does."""
+    from transformers_dflash.ngram_lookup import NgramLookup
+
+    lookup = NgramLookup(2, block_size=4)
+    sequences = torch.tensor([[5, 6, 7, 5], [5, 6, 7, 5]])  # both rows: the 1-gram "5" again, copy [6, 7, 5]
+    drafts = torch.tensor([[11, 12, 13], [21, 22, 23]])
+    confidence = torch.tensor([[0.9, 0.9, 0.9], [0.3, 0.1, 0.1]])  # expected 2.44 / 0.33 against the copy's 0.875
+    merged, merged_confidence = lookup.merge(sequences, [0, 1], [4, 4], drafts.clone(), confidence, 3)
+    assert merged.tolist() == [[11, 12, 13], [6, 7, 5]]
+    assert merged_confidence[0].tolist() == pytest.approx([0.9, 0.9, 0.9])
+    assert merged_confidence[1].tolist() == pytest.approx([0.5, 0.5, 0.5])
+    assert lookup.copied == [(0, 0), (1, 3)]  # only the copy that was proposed is scored afterwards
+    merged, _ = lookup.merge(sequences, [0, 1], [4, 4], drafts.clone(), None, 3)
+    assert merged.tolist() == [[6, 7, 5], [6, 7, 5]]
+
+
 def test_ngram_lookup_continuation_and_bad_setting():
     from transformers_dflash.ngram_lookup import CopyAcceptance, NgramLookup
 

@@ -70,6 +70,12 @@ class NgramLookup:
     shared rate made the policy verify the second kind at a loss. So the policy verifies copies as far as copies of
     their kind have been paying off; when the drafter is skipped, copies are still proposed (they cost no drafter
     forward).
+
+    A row whose drafter ran and scored its drafts keeps them instead of the copy where it expects more of them
+    accepted: the sum of their cumulative confidences against that of the copy's rates. Once a text has a few dozen
+    tokens, nearly every last token occurred before, so a copy would otherwise replace the drafter's drafts at almost
+    every step, however sure the drafter and however poor 1-gram copies had been (measured: a better drafter then
+    changed the defaults' speed by 0-1 %, docs/training.md).
     """
 
     def __init__(self, max_ngram_size: int, block_size: int):
@@ -93,13 +99,22 @@ class NgramLookup:
             acceptance.start_call()
         self.copied = []
 
+    @staticmethod
+    def _keeps_drafts(copy_expected: float, draft_expected: float) -> bool:
+        """Whether a row keeps the drafter's drafts rather than the copy: when more of them are expected accepted
+        (each the sum of its cumulative confidences)."""
+        return draft_expected > copy_expected
+
     def merge(self, sequences, active, lengths, drafts, confidence, num_draft: int):
-        """Drafts `[rows, num_draft]` (and per-token confidences) with each row's copied continuation at its head."""
+        """Drafts `[rows, num_draft]` (and per-token confidences): each row's copied continuation at its head, unless
+        the drafter scored its own drafts (`confidence`) and expects more of them accepted (`_keeps_drafts`)."""
         rows = len(active)
         rates = {n: acceptance.rates for n, acceptance in self.acceptance.items()}
         if drafts.shape[1] < num_draft:  # the drafter did not run this step: pad, with zero confidence
             drafts = torch.cat([drafts, drafts.new_zeros(rows, num_draft - drafts.shape[1])], dim=1)
-        confidence = confidence.clone() if confidence is not None else torch.zeros(rows, num_draft)
+        scored = confidence is not None
+        confidence = confidence.clone() if scored else torch.zeros(rows, num_draft)
+        expected = confidence.float().cumprod(dim=1).sum(dim=1).tolist() if scored else [0.0] * rows
         self.copied = [(0, 0)] * rows
         for i, r in enumerate(active):
             found = self._continuation(sequences[r, : lengths[r]], num_draft)
@@ -107,6 +122,8 @@ class NgramLookup:
                 continue
             match, copy = found
             n = copy.shape[0]
+            if self._keeps_drafts(float(rates[match][:n].cumprod(dim=0).sum()), expected[i]):
+                continue
             drafts[i, :n] = copy
             confidence[i, :n] = rates[match][:n]
             self.copied[i] = (match, n)
