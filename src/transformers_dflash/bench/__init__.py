@@ -42,7 +42,6 @@ from .builtin import (
     to_builtin_drafter,
 )
 from .drafter import core_module, draft_length, drafter_setting, fast_cpu_linears, ngram_lookup, parse_draft_length
-from .fixed_costs import FixedCostDraftLength, StepCosts, measure_step_costs
 from .kernels import format_linear_markdown, run_linear_benchmark
 from .methods import (
     BATCH_METHODS,
@@ -132,3 +131,13 @@ __all__ = [
     "tokens_per_second",
     "write_report",
 ]
+
+
+def __getattr__(name):
+    """`StepCosts`, `FixedCostDraftLength`, `measure_step_costs` on first use: `fixed_costs` imports torch, which
+    `dflash bench --help` must not."""
+    if name in ("StepCosts", "FixedCostDraftLength", "measure_step_costs"):
+        from . import fixed_costs
+
+        return getattr(fixed_costs, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .assisted import AssistedRecorder
 from .builtin import builtin_dflash_available, to_builtin_drafter
 from .drafter import draft_length, draft_length_memory, fast_cpu_linears, ngram_lookup
-from .fixed_costs import StepCosts, fixed_cost_policy, seed_memory
+
+if TYPE_CHECKING:  # fixed_costs imports torch; `dflash bench --help` must not
+    from .fixed_costs import StepCosts
 
 DEFAULT_METHODS = ("baseline", "dflash", "dflash_adaptive", "builtin_dflash", "prompt_lookup")
 # The *_skinny / dflash_stock_linears methods attribute speed to kernels: every method with the same CPU kernels
@@ -135,6 +137,7 @@ def _dflash(context: MethodContext, setting, fast_linears: bool = True, lookup: 
     """Our DFlash path with the drafter's draft length, kernels and copied drafts set for the call, and its own
     memory of what "auto" and the copies measured in this method's earlier calls."""
     from ..draft_length import default_draft_length
+    from .fixed_costs import fixed_cost_policy, seed_memory
 
     target, drafter = context.target, context.drafter
     memory = {}
