@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from interleaved_ab import load_prompts, print_report, spread, time_rounds  # noqa: E402  (beside this script)
+from interleaved_ab import compare_per_thread_count, load_smollm2_pair  # noqa: E402  (beside this script)
 
 
 def main():
@@ -34,10 +34,6 @@ def main():
     parser.add_argument("--drafter", default=None, help="a drafter folder (default: the shipped one)")
     args = parser.parse_args()
 
-    import torch
-    from transformers import AutoModel
-
-    import transformers_dflash as td
     from transformers_dflash import candidate_generator
     from transformers_dflash.ngram_lookup import CopyAcceptance, ngram_lookup_for
 
@@ -61,15 +57,8 @@ def main():
         return variant_rules
 
     variants = {"shared": rules(shared_lookup), "by-length": rules(ngram_lookup_for)}
-    target, tokenizer = td.load_smollm2()
-    drafter = AutoModel.from_pretrained(args.drafter or td.SHIPPED_DRAFTER, dtype=target.dtype)
-    prompts = load_prompts(tokenizer, args.num_prompts)
-    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-    for threads in args.threads:
-        torch.set_num_threads(threads)
-        timings = time_rounds(target, drafter, prompts, kwargs, variants, args.rounds, seed=threads)
-        print_report(timings, threads)
-        print(f"  by-length / shared: {spread(timings.ratios('shared', 'by-length'))}")
+    target, tokenizer, drafter = load_smollm2_pair(args.drafter)
+    compare_per_thread_count(target, tokenizer, drafter, variants, args, "shared", "by-length")
 
 
 if __name__ == "__main__":

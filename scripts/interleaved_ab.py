@@ -106,3 +106,29 @@ def print_report(timings: Timings, threads: int, baseline: str | None = None) ->
         if baseline is not None and method != baseline:
             line += f"; over {baseline} {spread(timings.ratios(baseline, method))}"
         print(line)
+
+
+def load_smollm2_pair(drafter_path=None):
+    """(target, tokenizer, drafter): SmolLM2-135M-Instruct and a drafter for it (default: the shipped one) in the
+    target's dtype."""
+    from transformers import AutoModel
+
+    import transformers_dflash as td
+
+    target, tokenizer = td.load_smollm2()
+    drafter = AutoModel.from_pretrained(drafter_path or td.SHIPPED_DRAFTER, dtype=target.dtype)
+    return target, tokenizer, drafter
+
+
+def compare_per_thread_count(target, tokenizer, drafter, variants: dict, args, slower: str, faster: str) -> None:
+    """For each of `args.threads`: `time_rounds` of the variants on the demo's prompt and `args.num_prompts` MT-Bench
+    and HumanEval prompts (`args.max_new_tokens`, `args.rounds`), the report, and `faster` over `slower` per round."""
+    import torch
+
+    prompts = load_prompts(tokenizer, args.num_prompts)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        timings = time_rounds(target, drafter, prompts, kwargs, variants, args.rounds, seed=threads)
+        print_report(timings, threads)
+        print(f"  {faster} / {slower}: {spread(timings.ratios(slower, faster))}")
