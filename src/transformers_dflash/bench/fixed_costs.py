@@ -56,8 +56,8 @@ class StepCosts:
         shape = drafter_shape(drafter)
         if shape not in self.draft_seconds:
             raise ValueError(
-                f"the fixed step costs have no draft cost for a drafter of shape {shape}; measure them with this "
-                "drafter (dflash bench --fixed-step-costs without a file)"
+                f"the fixed step costs have no draft cost for a drafter of shape {shape}; measure it with "
+                "measure_step_costs(..., costs=...) (dflash bench --fixed-step-costs does so by itself)"
             )
         return self.draft_seconds[shape]
 
@@ -70,7 +70,7 @@ class StepCosts:
 
     @classmethod
     def load(cls, path) -> StepCosts:
-        """From a JSON file written by `save`, or a `dflash bench` report (its settings' `fixed_step_costs`)."""
+        """From a JSON file of `to_dict`'s keys, or a `dflash bench` report (its settings' `fixed_step_costs`)."""
         try:
             data = json.loads(Path(path).read_text())
             data = data.get("settings", {}).get("fixed_step_costs", data)
