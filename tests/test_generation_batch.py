@@ -289,6 +289,54 @@ def test_auto_stops_drafting_when_the_drafted_steps_realise_less_than_plain_step
     assert batch.realised_tokens / batch.realised_seconds == pytest.approx(1.5 / 2.5)
 
 
+def test_a_slow_step_does_not_stop_drafting_that_pays():
+    """The realised rate weighs what the drafted steps committed against their estimated costs, not their measured
+    times: one step slowed by something else on the machine must not make drafting look like a loss (which would skip
+    the drafter for the next steps), while drafts that are rarely accepted still stop it, whatever their timing."""
+    from transformers_dflash.draft_length import AutoDraftLength
+
+    auto = AutoDraftLength()
+    auto.record(2, 1.0, draft_seconds=0.2, accepted=torch.tensor([0]))  # the call's first draft
+    for _ in range(AutoDraftLength.TRUSTED):
+        auto.record(1, 1.0)
+        auto.record(3, 1.2, draft_seconds=0.2, accepted=torch.tensor([2]))  # 3 tokens in 1.4 s
+    auto.num_to_verify(torch.full((1, 2), 0.9))
+    assert auto.wants_draft()
+    auto.record(3, 12.0, draft_seconds=0.2, accepted=torch.tensor([2]))  # the same step, timed 10x slower
+    assert auto.realised_tokens / auto.realised_seconds == pytest.approx(3 / 1.4, rel=0.1)
+    assert all(auto.wants_draft() for _ in range(4))
+    for _ in range(6):
+        auto.record(3, 1.2, draft_seconds=0.2, accepted=torch.tensor([0]))  # nothing accepted: 1 token in 1.4 s
+    assert auto.realised_tokens / auto.realised_seconds < 1.0
+    assert not auto.wants_draft()
+
+
+def test_a_good_copy_skips_the_drafter_that_would_not_beat_it():
+    """With a copy expected to have more tokens accepted than the drafter's drafts usually are, the drafter's forward
+    would be paid for nothing (the copy heads the block): "auto" skips it. Without a copy, or with a poor one, or
+    before it has scored `COMPARED` drafts, the drafter runs. Rows of a batch weigh their gains together."""
+    from transformers_dflash.draft_length import AutoDraftLength, FullBlock
+
+    auto = AutoDraftLength()
+    auto.record(2, 1.0, draft_seconds=0.1, accepted=torch.tensor([0]))
+    auto.record(1, 1.0)
+    auto.record(8, 1.5, draft_seconds=0.1, accepted=torch.tensor([1]))
+    usual = torch.tensor([[0.8, 0.5, 0.2, 0.1, 0.0, 0.0, 0.0]])  # expected accepted: 0.8 + 0.4 + 0.08 + 0.008 = 1.288
+    for _ in range(AutoDraftLength.COMPARED - 1):
+        auto.record_drafts(usual)
+    assert auto.draft_beats_copies([3.0], 7)  # too few drafts scored to judge
+    auto.record_drafts(usual)
+    assert auto.draft_expected[-1] == pytest.approx(1.288)
+    assert not auto.draft_beats_copies([3.0], 7)  # a copy the drafter never beats
+    assert auto.draft_beats_copies([0.0], 7)  # no copy: the drafter's 1.29 tokens for a tenth of a step
+    assert auto.draft_beats_copies([0.5], 7)  # a poor copy
+    assert auto.draft_beats_copies([3.0, 0.0], 7)  # one row gains enough for both
+    assert not auto.draft_beats_copies([3.0, 3.0, 3.0, 0.5], 7)  # one row gains too little for four
+    assert FullBlock().draft_beats_copies([3.0], 7)  # only "auto" skips
+    auto.start_call()
+    assert len(auto.draft_expected) == AutoDraftLength.COMPARED  # carried, like the step costs
+
+
 def test_auto_starts_each_call_from_what_the_earlier_calls_measured():
     """A new call keeps the last KEPT steps of each width and drafts, but judges afresh whether drafting pays (a new
     text); its first draft (which also reads the prompt) is neither a draft's cost nor a realised rate. Copy rates

@@ -163,14 +163,24 @@ def dflash_decoding(
 def propose(generator: DFlashCandidateGenerator, state: "DecodingState", num_draft: int):
     """The drafts to verify `[rows, k]` (k = 0: a plain decoding step) and whether the drafter ran for them."""
     policy, lookup = generator.draft_length_policy, generator.ngram_lookup
-    drafted = num_draft > 0 and policy.wants_draft()
+    copies = None
+    if lookup is not None and num_draft > 0:
+        copies = lookup.find(state.sequences, state.active, state.lengths, num_draft)
+    # Good copies first: skipping the drafter for them leaves the back-off of `wants_draft` untouched.
+    drafted = num_draft > 0
+    if drafted and copies is not None:
+        drafted = policy.draft_beats_copies([0.0 if c is None else c.expected for c in copies], num_draft)
+    drafted = drafted and policy.wants_draft()
     drafts, confidence = state.anchor.new_empty(len(state.active), 0), None
     if drafted:
         drafts, confidence = generator.draft(
             state.anchor, state.next_position, state.context, state.context_positions, state.context_mask, num_draft
         )
-    if lookup is not None and num_draft > 0:
-        drafts, merged = lookup.merge(state.sequences, state.active, state.lengths, drafts, confidence, num_draft)
+        policy.record_drafts(confidence)
+    if copies is not None:
+        drafts, merged = lookup.merge(
+            state.sequences, state.active, state.lengths, drafts, confidence, num_draft, found=copies
+        )
         confidence = merged if policy.uses_confidence else None
     return (policy.trim(drafts, confidence, paid_draft=drafted) if drafts.shape[1] else drafts), drafted
 

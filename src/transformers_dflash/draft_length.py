@@ -16,6 +16,7 @@ drafts to verify (`trim`)? and, after the step, what did it cost (`record`)?
 """
 
 import itertools
+import statistics
 
 import torch
 
@@ -27,6 +28,14 @@ class FullBlock:
 
     def wants_draft(self) -> bool:
         return True
+
+    def draft_beats_copies(self, copy_expected: list[float], num_draft: int) -> bool:
+        """Whether the drafter may add to this step's copies (`copy_expected[i]`: the tokens row i's copy is expected
+        to have accepted, 0 where none was found)."""
+        return True
+
+    def record_drafts(self, confidence: torch.Tensor | None) -> None:
+        """The drafter's confidence in the drafts it just proposed `[rows, num_draft]` (None: not scored)."""
 
     def trim(self, drafts: torch.Tensor, confidence: torch.Tensor | None, paid_draft: bool = True) -> torch.Tensor:
         return drafts
@@ -54,7 +63,7 @@ class AutoDraftLength(FullBlock):
     `(1 + sum_{j<=k} P_j) / (draft + verify(k + 1))`.
 
     `P_j` is the cumulative confidence of draft j, `draft` the mean measured draft time and `verify(w)` the measured
-    time of verifying w tokens in this generate() call: the mean of the steps of that width, else a least-squares line
+    time of verifying w tokens in this generate() call: the median of the steps of that width, else a least-squares line
     through all steps (and no more than the line while a width has few steps, `step_costs`). The first two steps
     measure one draft (width 2) and no draft (width 1); wider blocks are tried when the line predicts that they pay,
     and are then measured. Exploring from the narrow end keeps a large batch, where a full block costs several plain
@@ -68,9 +77,11 @@ class AutoDraftLength(FullBlock):
     REALISED is: tokens committed per second of draft + verification, a running mean that keeps `REALISED_DECAY` of
     its weight per drafted step. The drafter's confidence in its own proposals is only an estimate, and an
     overconfident drafter would otherwise keep drafting at a loss (measured: a drafter whose verified drafts were
-    accepted 17 % of the time ran at 0.77x plain decoding). Skipped steps keep their target features for the
-    drafter's next context, so skipping costs no accuracy. Rows of a batch share one verification forward: the
-    chosen length maximises the expected tokens per second of the whole batch (the sum over rows).
+    accepted 17 % of the time ran at 0.77x plain decoding). Its seconds are the estimated costs of the steps taken
+    (`_step_cost`), not their measured times, so that timing noise does not decide whether the drafter runs. Skipped
+    steps keep their target features for the drafter's next context, so skipping costs no accuracy. Rows of a batch
+    share one verification forward: the chosen length maximises the expected tokens per second of the whole batch
+    (the sum over rows).
 
     One instance serves the generate() calls of one drafter on one device, thread count and batch size
     (`DFlashCandidateGenerator`, `drafter.draft_length_memory`): each call starts from the step costs and draft costs
@@ -79,13 +90,15 @@ class AutoDraftLength(FullBlock):
     """
 
     uses_confidence = True
-    TRUSTED = 3  # steps of a width after which its measured mean cost is taken as it is (see `step_costs`)
+    TRUSTED = 3  # steps of a width after which its measured (median) cost is taken as it is (see `step_costs`)
+    COMPARED = 8  # drafts scored before a good copy may skip the drafter (`draft_beats_copies`)
     REALISED_DECAY = 0.8  # weight the earlier drafted steps keep in the realised rate, per drafted step
     KEPT = 32  # steps of each width, and drafts, that a new call keeps from the earlier ones (`start_call`)
 
     def __init__(self):
         self.samples: list[tuple[int, float]] = []  # (verified width, seconds of verify + commit + any re-feed)
         self.draft_seconds: list[float] = []  # seconds of each draft but a call's first
+        self.draft_expected: list[float] = []  # per row of each draft: its drafts' expected accepted tokens
         self.first_draft_seconds: float | None = None  # seconds of the last call's first draft
         self._judge_afresh()
 
@@ -107,6 +120,7 @@ class AutoDraftLength(FullBlock):
             if counts[width] <= self.KEPT:
                 kept.append((width, seconds))
         self.samples, self.draft_seconds = kept[::-1], self.draft_seconds[-self.KEPT :]
+        self.draft_expected = self.draft_expected[-self.KEPT :]
         self._judge_afresh()
 
     def record(self, width, seconds, draft_seconds=None, accepted=None):
@@ -122,7 +136,39 @@ class AutoDraftLength(FullBlock):
         if accepted is not None:
             committed = 1.0 + float(accepted.float().mean())  # per row: the accepted drafts and the bonus token
             self.realised_tokens = self.REALISED_DECAY * self.realised_tokens + committed
-            self.realised_seconds = self.REALISED_DECAY * self.realised_seconds + draft_seconds + seconds
+            self.realised_seconds = self.REALISED_DECAY * self.realised_seconds + self._step_cost(width, seconds)
+
+    def _step_cost(self, width: int, seconds: float) -> float:
+        """What a drafted step of `width` tokens costs in the realised rate: the mean draft and the estimated cost
+        of verifying that width (`step_costs`), not this step's own times (`seconds` only while there is no estimate
+        yet). The realised rate is there to catch drafts accepted less often than the drafter's confidence says; a
+        single slow step (the OS, another process) must not make drafting look like a loss and start the back-off."""
+        costs = self.step_costs(width)
+        if costs is None:
+            return self.draft_seconds[-1] + seconds
+        return sum(self.draft_seconds) / len(self.draft_seconds) + costs[width - 1]
+
+    def record_drafts(self, confidence):
+        if confidence is not None:
+            self.draft_expected += confidence.float().cumprod(dim=1).sum(dim=1).tolist()
+            del self.draft_expected[: -self.KEPT]
+
+    def draft_beats_copies(self, copy_expected, num_draft):
+        """Whether drafting is expected to add more tokens than its cost in time, given this step's copies: where a
+        row's copy is expected to have more tokens accepted than the drafter's drafts, the copy heads the block
+        (`NgramLookup.merge`) and the draft was paid for nothing. The drafter's gain on row i is taken as the mean
+        of max(0, e - copy_expected[i]) over the expected accepted tokens e of its last `KEPT` drafts; its cost, the
+        tokens per second the copy-only step is expected to commit times the draft's seconds. The drafter's and the
+        copy's expectations were found nearly uncorrelated (docs/benchmarks.md), so its past drafts stand for this
+        step's."""
+        if len(self.draft_expected) < self.COMPARED or not self.draft_seconds:
+            return True
+        costs = self.step_costs(num_draft + 1)
+        if costs is None:
+            return True
+        draft_share = (sum(self.draft_seconds) / len(self.draft_seconds)) / costs[-1]  # of the whole block's step
+        gain = sum(sum(max(e - c, 0.0) for e in self.draft_expected) for c in copy_expected) / len(self.draft_expected)
+        return gain > draft_share * sum(1.0 + c for c in copy_expected)
 
     def wants_draft(self) -> bool:
         """Whether to run the drafter this step (False while drafting loses to plain steps)."""
@@ -157,7 +203,7 @@ class AutoDraftLength(FullBlock):
     def step_costs(self, max_width: int) -> list[float] | None:
         """Estimated seconds of a step verifying w = 1 .. max_width tokens (None before two widths were measured).
 
-        A width measured at least `TRUSTED` times (and width 1, a plain step) costs its mean; an unmeasured one is
+        A width measured at least `TRUSTED` times (and width 1, a plain step) costs its median; an unmeasured one is
         interpolated between the measured widths around it, or read off the line through all steps. A width measured
         fewer times costs at most what the line predicts: step times on a busy CPU vary by half, and one slow step
         would otherwise make a width look dear for the rest of the call, so that it is never chosen, never measured
@@ -177,8 +223,8 @@ class AutoDraftLength(FullBlock):
         # make drafting look worse than it is.
         measured = {}
         for w, ts in totals.items():
-            mean = sum(ts) / len(ts)
-            measured[w] = mean if len(ts) >= self.TRUSTED or w == 1 else min(mean, on_line[w])
+            typical = statistics.median(ts)  # not the mean: one step slowed by something else would move it
+            measured[w] = typical if len(ts) >= self.TRUSTED or w == 1 else min(typical, on_line[w])
         costs = []
         for w in range(1, max_width + 1):
             below = [m for m in measured if m < w]

@@ -4,7 +4,20 @@
 2 on CPUs, off on accelerators), `0` turns it off, `n >= 1` matches n-grams of up to n tokens.
 """
 
+from typing import NamedTuple
+
 import torch
+
+
+class Copy(NamedTuple):
+    """A row's copied continuation: found by its last `match` tokens, the `tokens` that followed them before, each
+    token's confidence (`rates`, its depth's acceptance rate) and the tokens expected accepted (`expected`, the sum
+    of the rates' cumulative products)."""
+
+    match: int
+    tokens: torch.Tensor
+    rates: torch.Tensor
+    expected: float
 
 
 class CopyAcceptance:
@@ -105,28 +118,40 @@ class NgramLookup:
         (each the sum of its cumulative confidences)."""
         return draft_expected > copy_expected
 
-    def merge(self, sequences, active, lengths, drafts, confidence, num_draft: int):
-        """Drafts `[rows, num_draft]` (and per-token confidences): each row's copied continuation at its head, unless
-        the drafter scored its own drafts (`confidence`) and expects more of them accepted (`_keeps_drafts`)."""
-        rows = len(active)
+    def find(self, sequences, active, lengths, num_draft: int) -> list[Copy | None]:
+        """Per row: its `Copy`, or None where the row's last tokens did not occur before."""
         rates = {n: acceptance.rates for n, acceptance in self.acceptance.items()}
+        found = []
+        for r in active:
+            continuation = self._continuation(sequences[r, : lengths[r]], num_draft)
+            if continuation is None:
+                found.append(None)
+                continue
+            match, tokens = continuation
+            copy_rates = rates[match][: tokens.shape[0]]
+            found.append(Copy(match, tokens, copy_rates, float(copy_rates.cumprod(dim=0).sum())))
+        return found
+
+    def merge(self, sequences, active, lengths, drafts, confidence, num_draft: int, found=None):
+        """Drafts `[rows, num_draft]` (and per-token confidences): each row's copied continuation at its head, unless
+        the drafter scored its own drafts (`confidence`) and expects more of them accepted (`_keeps_drafts`).
+        `found`: this step's `find`, when the caller already looked."""
+        rows = len(active)
+        if found is None:
+            found = self.find(sequences, active, lengths, num_draft)
         if drafts.shape[1] < num_draft:  # the drafter did not run this step: pad, with zero confidence
             drafts = torch.cat([drafts, drafts.new_zeros(rows, num_draft - drafts.shape[1])], dim=1)
         scored = confidence is not None
         confidence = confidence.clone() if scored else torch.zeros(rows, num_draft)
         expected = confidence.float().cumprod(dim=1).sum(dim=1).tolist() if scored else [0.0] * rows
         self.copied = [(0, 0)] * rows
-        for i, r in enumerate(active):
-            found = self._continuation(sequences[r, : lengths[r]], num_draft)
-            if found is None:
+        for i, copy in enumerate(found):
+            if copy is None or self._keeps_drafts(copy.expected, expected[i]):
                 continue
-            match, copy = found
-            n = copy.shape[0]
-            if self._keeps_drafts(float(rates[match][:n].cumprod(dim=0).sum()), expected[i]):
-                continue
-            drafts[i, :n] = copy
-            confidence[i, :n] = rates[match][:n]
-            self.copied[i] = (match, n)
+            n = copy.tokens.shape[0]
+            drafts[i, :n] = copy.tokens
+            confidence[i, :n] = copy.rates
+            self.copied[i] = (copy.match, n)
         return drafts, confidence.to(drafts.device)
 
     def record(self, accepted: list[int], verified: int):
