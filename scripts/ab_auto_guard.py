@@ -12,7 +12,8 @@ Each variant keeps its own `drafter.draft_length_memory` from call to call, as a
 runs plain `generate()` and the variants on every prompt (the demo's, MT-Bench, HumanEval) in a shuffled order per
 prompt; every output is checked against plain `generate()`'s.
 
-    python scripts/ab_auto_guard.py --threads 2 --rounds 5 [--max-new-tokens 256] [--drafter PATH]
+    python scripts/ab_auto_guard.py --threads 2 --rounds 5 [--num-prompts 3] [--max-new-tokens 256] [--drafter PATH]
+        [--variants before,estimated,defaults]
 
 Prints each variant's speedup over plain decoding (per round: median and range), its tau and median speedup per
 prompt, its ratio to "before" per round, and the drafter's runs per round (median and range).
@@ -40,6 +41,7 @@ def main():
     parser.add_argument("--num-prompts", type=int, default=3, help="per dataset (MT-Bench, HumanEval)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--drafter", default=None, help="a drafter folder (default: the shipped one)")
+    parser.add_argument("--variants", default="before,estimated,defaults", help="which to time, comma-separated")
     args = parser.parse_args()
 
     import torch
@@ -86,12 +88,16 @@ def main():
         "estimated": rules("estimated", core["_step_cost"], statistics.median, False),
         "defaults": rules("defaults", core["_step_cost"], statistics.median, True),
     }
+    unknown = set(args.variants.split(",")) - set(variants)
+    if unknown:
+        parser.error(f"--variants: no variant {sorted(unknown)}; choose from {', '.join(variants)}")
+    variants = {name: variants[name] for name in args.variants.split(",")}
     torch.set_num_threads(args.threads)
     target, tokenizer, drafter = load_smollm2_pair(args.drafter)
     prompts = load_prompts(tokenizer, args.num_prompts)
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     timings = time_rounds(target, drafter, prompts, kwargs, variants, args.rounds, seed=args.threads)
-    print_report(timings, args.threads, baseline="before")
+    print_report(timings, args.threads, baseline="before" if "before" in variants else None)
     for name, calls in runs.items():
         timed = calls[len(prompts) :]  # after the warm-up round
         per_round = [sum(timed[i : i + len(prompts)]) for i in range(0, len(timed), len(prompts))]

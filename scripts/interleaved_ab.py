@@ -1,6 +1,6 @@
-"""What the A/B scripts share (`ab_cpu_defaults.py`, `ab_copy_rates.py`, `ab_auto_trust.py`): their prompts, rounds that time plain
-`generate()` and each variant on every prompt in a shuffled order, the check that every output equals plain
-decoding's, and the report. Not a test; imported by those scripts (they put `src/` on the path first)."""
+"""What the A/B scripts (`ab_*.py` beside this one) share: their prompts, rounds that time plain `generate()` and each
+variant on every prompt in a shuffled order, the check that every output equals plain decoding's, and the report.
+Not a test; imported by those scripts (they put `src/` on the path first)."""
 
 import contextlib
 import random

@@ -471,7 +471,7 @@ def test_copies_of_each_match_length_keep_their_own_rates():
         lookup.record([1, 0], 1)  # the 2-gram copy accepted, the 1-gram copy rejected
     sequences = torch.tensor([[7, 8, 9, 7, 8], [4, 1, 2, 9, 2]])  # row 0: "7 8" again; row 1: only "2" again
     no_drafts = torch.zeros(2, 0, dtype=torch.long)
-    drafts, confidence = lookup.merge(sequences, [0, 1], [5, 5], no_drafts, None, 1)
+    drafts, confidence = lookup.merge(lookup.find(sequences, [0, 1], [5, 5], 1), no_drafts, None, 1)
     assert drafts.tolist() == [[9], [9]] and lookup.copied == [(2, 1), (1, 1)]
     assert confidence[0, 0] > 0.8 and confidence[1, 0] < 0.2
 
@@ -485,12 +485,12 @@ def test_a_confident_drafter_keeps_its_drafts_over_a_poor_copy():
     sequences = torch.tensor([[5, 6, 7, 5], [5, 6, 7, 5]])  # both rows: the 1-gram "5" again, copy [6, 7, 5]
     drafts = torch.tensor([[11, 12, 13], [21, 22, 23]])
     confidence = torch.tensor([[0.9, 0.9, 0.9], [0.3, 0.1, 0.1]])  # expected 2.44 / 0.33 against the copy's 0.875
-    merged, merged_confidence = lookup.merge(sequences, [0, 1], [4, 4], drafts.clone(), confidence, 3)
+    merged, merged_confidence = lookup.merge(lookup.find(sequences, [0, 1], [4, 4], 3), drafts.clone(), confidence, 3)
     assert merged.tolist() == [[11, 12, 13], [6, 7, 5]]
     assert merged_confidence[0].tolist() == pytest.approx([0.9, 0.9, 0.9])
     assert merged_confidence[1].tolist() == pytest.approx([0.5, 0.5, 0.5])
     assert lookup.copied == [(0, 0), (1, 3)]  # only the copy that was proposed is scored afterwards
-    merged, _ = lookup.merge(sequences, [0, 1], [4, 4], drafts.clone(), None, 3)
+    merged, _ = lookup.merge(lookup.find(sequences, [0, 1], [4, 4], 3), drafts.clone(), None, 3)
     assert merged.tolist() == [[6, 7, 5], [6, 7, 5]]
 
 
@@ -504,18 +504,15 @@ def test_ngram_lookup_continuation_and_bad_setting():
     assert lookup._continuation(torch.tensor([1, 2, 3, 4]), 3) is None
     match, copy = lookup._continuation(torch.tensor([4, 1, 2, 9, 2]), 3)
     assert match == 1 and copy.tolist() == [9, 2]  # falls back to the 1-gram "2"
-    drafts, confidence = lookup.merge(
-        torch.stack([tokens, tokens]), [1], [9, 9], torch.zeros(1, 0, dtype=torch.long), None, 3
-    )
+    no_drafts = torch.zeros(1, 0, dtype=torch.long)
+    drafts, confidence = lookup.merge(lookup.find(torch.stack([tokens, tokens]), [1], [9, 9], 3), no_drafts, None, 3)
     assert drafts.tolist() == [[9, 5, 6]] and confidence.tolist() == [[0.5, 0.5, 0.5]]
     assert lookup.copied == [(2, 3)]
     lookup.record([1], 3)  # first copy accepted, second rejected
     bigrams = lookup.acceptance[2]
     assert bigrams.hits[:3] == [1, 0, 0] and bigrams.tries[:3] == [1, 1, 0]
     assert lookup.acceptance[1].tries == [0, 0, 0, 0]  # a 2-gram copy says nothing about 1-gram copies
-    _, confidence = lookup.merge(
-        torch.stack([tokens, tokens]), [1], [9, 9], torch.zeros(1, 0, dtype=torch.long), None, 3
-    )
+    _, confidence = lookup.merge(lookup.find(torch.stack([tokens, tokens]), [1], [9, 9], 3), no_drafts, None, 3)
     # A depth tried fewer than TRUSTED times is rated no lower than the depth before (one early rejection must not
     # stop its copies from ever being verified again); an untried depth inherits the one before.
     assert confidence[0].tolist() == pytest.approx([2 / 3, 2 / 3, 2 / 3])
@@ -536,9 +533,8 @@ def test_ngram_lookup_continuation_and_bad_setting():
     for _ in range(10):  # a repetition loop: every copy verified so far (depths 0-1) was accepted
         loop.copied = [(2, 2)]
         loop.record([2], 2)
-    _, confidence = loop.merge(
-        torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2]]), [0], [11], torch.zeros(1, 0, dtype=torch.long), None, 7
-    )
+    repeating = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2]])
+    _, confidence = loop.merge(loop.find(repeating, [0], [11], 7), no_drafts, None, 7)
     assert bool((confidence[0, :3] > 0.9).all())  # copies of depth 0-2 ("3 1 2") look as good as the tried ones,
     assert loop.acceptance[2].rates[6] > 0.9  # and so would deeper ones (a fixed 1/2 prior made depth 6 worth 1/2 ** 7)
     target = make_target("llama", dtype=torch.float32, eos_token_id=None)

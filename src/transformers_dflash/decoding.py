@@ -167,10 +167,11 @@ def propose(generator: DFlashCandidateGenerator, state: "DecodingState", num_dra
     if lookup is not None and num_draft > 0:
         copies = lookup.find(state.sequences, state.active, state.lengths, num_draft)
     # Good copies first: skipping the drafter for them leaves the back-off of `wants_draft` untouched.
-    drafted = num_draft > 0
-    if drafted and copies is not None:
-        drafted = policy.draft_beats_copies([0.0 if c is None else c.expected for c in copies], num_draft)
-    drafted = drafted and policy.wants_draft()
+    drafted = (
+        num_draft > 0
+        and (copies is None or policy.draft_beats_copies([0.0 if c is None else c.expected for c in copies], num_draft))
+        and policy.wants_draft()
+    )
     drafts, confidence = state.anchor.new_empty(len(state.active), 0), None
     if drafted:
         drafts, confidence = generator.draft(
@@ -178,9 +179,7 @@ def propose(generator: DFlashCandidateGenerator, state: "DecodingState", num_dra
         )
         policy.record_drafts(confidence)
     if copies is not None:
-        drafts, merged = lookup.merge(
-            state.sequences, state.active, state.lengths, drafts, confidence, num_draft, found=copies
-        )
+        drafts, merged = lookup.merge(copies, drafts, confidence, num_draft)
         confidence = merged if policy.uses_confidence else None
     return (policy.trim(drafts, confidence, paid_draft=drafted) if drafts.shape[1] else drafts), drafted
 

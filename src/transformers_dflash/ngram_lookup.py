@@ -132,13 +132,11 @@ class NgramLookup:
             found.append(Copy(match, tokens, copy_rates, float(copy_rates.cumprod(dim=0).sum())))
         return found
 
-    def merge(self, sequences, active, lengths, drafts, confidence, num_draft: int, found=None):
-        """Drafts `[rows, num_draft]` (and per-token confidences): each row's copied continuation at its head, unless
-        the drafter scored its own drafts (`confidence`) and expects more of them accepted (`_keeps_drafts`).
-        `found`: this step's `find`, when the caller already looked."""
-        rows = len(active)
-        if found is None:
-            found = self.find(sequences, active, lengths, num_draft)
+    def merge(self, found: list[Copy | None], drafts, confidence, num_draft: int):
+        """Drafts `[rows, num_draft]` (and per-token confidences): each row's copy (`found`, this step's `find`) at its
+        head, unless the drafter scored its own drafts (`confidence`) and expects more of them accepted
+        (`_keeps_drafts`)."""
+        rows = len(found)
         if drafts.shape[1] < num_draft:  # the drafter did not run this step: pad, with zero confidence
             drafts = torch.cat([drafts, drafts.new_zeros(rows, num_draft - drafts.shape[1])], dim=1)
         scored = confidence is not None
