@@ -4,6 +4,7 @@ The kernel only changes the summation order of float32 products with 1..256 rows
 to rounding, leave every other case to `F.linear` bit for bit, and never change a generated token.
 """
 
+import itertools
 import types
 
 import pytest
@@ -55,7 +56,7 @@ def test_kernel_choice_is_measured_once_per_shape_row_count_and_threads(monkeypa
     measured, products = [], []
     # Stand-in measurement: the transposed product "wins" for even row counts.
     monkeypatch.setattr(
-        kernels, "_measure", lambda flat, weight: measured.append(flat.shape[0]) or flat.shape[0] % 2 == 0
+        kernels, "_measure", lambda flat, weight, cold=None: measured.append(flat.shape[0]) or flat.shape[0] % 2 == 0
     )
     monkeypatch.setattr(kernels.torch, "mm", lambda *a: products.append(1) or torch.matmul(*a))
     weight = torch.randn(40, 24)
@@ -99,6 +100,29 @@ def test_measuring_is_left_out_of_the_step_clock(monkeypatch, kernel_choices):
     assert kernels.step_clock() - before == 3.0  # ... but the step clock moved by its own readings only
 
 
+def test_each_measured_run_reads_a_weight_out_of_cache(monkeypatch, kernel_choices):
+    """A forward reads each weight from memory (the rest of the model has passed through the caches since), so the
+    choice is measured on copies that together are twice the last-level cache, each read once per lap; a weight
+    that large itself is measured as it is. Every run of `_measure` takes the next copy."""
+    kernels = kernel_choices
+    monkeypatch.setattr(kernels, "_last_level_cache_bytes", lambda: 4096)  # bytes: 2 x 4096 = 8 weights of 1 KiB
+    weight = torch.randn(16, 16)  # 1 KiB of float32
+    copies = list(itertools.islice(kernels.cold_weights(weight), 16))
+    assert copies[0] is weight and all(torch.equal(c, weight) for c in copies)
+    assert len({c.data_ptr() for c in copies}) == 8 and copies[8] is weight  # 8 distinct, then again from the first
+    large = torch.randn(64, 64)  # 16 KiB, more than twice the cache
+    assert all(c is large for c in itertools.islice(kernels.cold_weights(large), 3))
+    read = []
+    kernels._measure(torch.randn(2, 16), weight, cold=iter(_recorded(copies, read)))
+    assert [id(c) for c in read] == [id(c) for c in copies[: 2 * (kernels._MEASURE_REPEATS + 1)]]  # one per run
+
+
+def _recorded(items, read):
+    for item in items:
+        read.append(item)
+        yield item
+
+
 @pytest.mark.parametrize(
     "x, weight",
     [
@@ -140,7 +164,7 @@ def test_context_with_rows_patches_only_the_layers_faster_transposed_for_one_of_
     the layers whose shape is faster with F.linear for all of them as they are (no per-call detour)."""
     measured = []
 
-    def measure(flat, weight):
+    def measure(flat, weight, cold=None):
         measured.append((tuple(weight.shape), flat.shape[0]))
         return weight.shape[0] == 40 and flat.shape[0] == 4  # only (40 x 24, 4 rows) is faster transposed
 
@@ -173,7 +197,7 @@ def test_float32_greedy_is_lossless_with_either_kernel(arch, kernel, oracle, mon
     """float32 is where the kernel runs: accepted, partly accepted and rejected blocks all equal plain generate(),
     with the transposed product wherever it applies, with this machine's measured choice, and with F.linear."""
     if kernel == "transposed":
-        monkeypatch.setattr(kernel_choices, "_measure", lambda flat, weight: True)
+        monkeypatch.setattr(kernel_choices, "_measure", lambda flat, weight, cold=None: True)
     target = make_target(arch, dtype=torch.float32, seed=3, eos_token_id=None)
     drafter = make_drafter(target, block_size=5, seed=4)
     drafter.fast_cpu_linears = kernel != "stock"
@@ -190,7 +214,7 @@ def test_float32_greedy_is_lossless_with_either_kernel(arch, kernel, oracle, mon
 def test_decoding_uses_the_kernel_only_when_enabled(monkeypatch, kernel_choices):
     import transformers_dflash.kernels as generation
 
-    monkeypatch.setattr(kernel_choices, "_measure", lambda flat, weight: True)  # wherever it applies
+    monkeypatch.setattr(kernel_choices, "_measure", lambda flat, weight, cold=None: True)  # wherever it applies
 
     calls = []
     original = generation.skinny_linear

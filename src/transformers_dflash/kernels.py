@@ -9,9 +9,11 @@ gives plain decoding the same kernels. Measurements: docs/benchmarks.md ("Linear
 import contextlib
 import copy
 import functools
+import glob
+import itertools
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -24,6 +26,10 @@ _MAX_ROWS = 256
 # which is bit for bit what plain decoding computes.
 _MARGIN = 0.9
 _MEASURE_REPEATS = 3  # timed runs of each kernel per measurement (after one untimed run), the fastest counts
+# Each timed run reads a weight that is not in the CPU's caches, as in a forward, where the rest of the model has
+# passed through them since a layer's last use: copies of the weight together this many times the last-level cache.
+_COLD_CACHE_MULTIPLE = 2
+_DEFAULT_CACHE_BYTES = 32 * 2**20  # where the OS does not say (Linux's sysfs does)
 # (out_features, in_features, row bucket, torch threads) -> whether the transposed product measured faster.
 _transposed_is_faster: dict[tuple[int, int, int, int], bool] = {}
 _measuring_seconds = 0.0  # wall time spent measuring, left out of `step_clock`
@@ -49,9 +55,12 @@ def skinny_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return transposed_linear(flat, weight, bias).view(*input.shape[:-1], weight.shape[0])
 
 
-def transposed_pays(weight: torch.Tensor, rows: int, input: torch.Tensor | None = None) -> bool:
+def transposed_pays(
+    weight: torch.Tensor, rows: int, input: torch.Tensor | None = None, cold: Callable[[], Iterator] | None = None
+) -> bool:
     """Whether `rows` rows times this float32 CPU `weight` are computed faster transposed, with torch's thread count:
-    the measured choice (measured now, on `input` or on random rows, if this is the first such product)."""
+    the measured choice (measured now, on `input` or on random rows, if this is the first such product; `cold`
+    gives the weight's copies to measure on, `cold_weights`, where several row counts are measured in a row)."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or not 1 <= rows <= _MAX_ROWS:
         return False
     bucket = rows if rows <= 8 else 1 << (rows - 1).bit_length()
@@ -59,7 +68,7 @@ def transposed_pays(weight: torch.Tensor, rows: int, input: torch.Tensor | None 
     faster = _transposed_is_faster.get(key)
     if faster is None:
         flat = input.reshape(rows, -1) if input is not None else torch.randn(rows, weight.shape[1])
-        faster = _transposed_is_faster[key] = _measure(flat, weight)
+        faster = _transposed_is_faster[key] = _measure(flat, weight, cold() if cold is not None else None)
     return faster
 
 
@@ -78,22 +87,54 @@ def transposed_linear(flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 
 @torch.no_grad()
-def _measure(flat: torch.Tensor, weight: torch.Tensor) -> bool:
+def _measure(flat: torch.Tensor, weight: torch.Tensor, cold: Iterator[torch.Tensor] | None = None) -> bool:
     """Whether `transposed_linear` is clearly faster than `F.linear` for this input and weight: each runs once
     untimed, then `_MEASURE_REPEATS` times, the two alternating (which goes first alternates too); the fastest run of
-    each is compared."""
+    each is compared.
+
+    Each run reads the next copy of the weight from `cold` (default: `cold_weights(weight)`), so that it comes from
+    memory as in a forward, not from the cache that the run before filled: with the weight cached, the two kernels
+    were near ties for SmolLM2's layer shapes at 2-4 rows, and which one a process chose changed from process to
+    process; read from memory, the transposed product took 0.3-0.7 of `F.linear`'s time there (docs/benchmarks.md,
+    "Kernel choice with the weights out of cache")."""
     global _measuring_seconds
     start = time.perf_counter()
+    cold = cold_weights(weight) if cold is None else cold
     best = {"linear": math.inf, "transposed": math.inf}
     kernels = [("linear", F.linear), ("transposed", transposed_linear)]
     for repeat in range(_MEASURE_REPEATS + 1):
         for name, kernel in kernels if repeat % 2 else kernels[::-1]:
+            copy_of_weight = next(cold)
             began = time.perf_counter()
-            kernel(flat, weight)
+            kernel(flat, copy_of_weight)
             if repeat:
                 best[name] = min(best[name], time.perf_counter() - began)
     _measuring_seconds += time.perf_counter() - start
     return best["transposed"] < _MARGIN * best["linear"]
+
+
+def cold_weights(weight: torch.Tensor) -> Iterator[torch.Tensor]:
+    """`weight` and copies of it, in turn, endlessly: `_COLD_CACHE_MULTIPLE` times the last-level cache together (just
+    `weight` where it is that large itself), so that each has left the cache by the time it is read again (the copies
+    made last are read last, after the first ones, which the later copies pushed out)."""
+    needed = _COLD_CACHE_MULTIPLE * _last_level_cache_bytes()
+    count = -(-needed // (weight.numel() * weight.element_size()))
+    return itertools.cycle([weight] + [weight.clone() for _ in range(count - 1)])
+
+
+@functools.cache
+def _last_level_cache_bytes() -> int:
+    """The largest CPU cache's size in bytes, from Linux's sysfs, else `_DEFAULT_CACHE_BYTES`."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            with open(path) as file:
+                text = file.read().strip().upper()
+            sizes.append(int(text[:-1]) * units[text[-1]] if text[-1:] in units else int(text))
+        except (OSError, ValueError):
+            continue
+    return max(sizes, default=_DEFAULT_CACHE_BYTES)
 
 
 def step_clock() -> float:
@@ -131,7 +172,9 @@ class skinny_linears:
                     weight = module.weight
                     key = (weight.shape, weight.dtype, weight.device)
                     if key not in pays:
-                        pays[key] = any([transposed_pays(weight, rows) for rows in self.rows])  # measures them all
+                        cold = functools.cache(functools.partial(cold_weights, weight))  # made once, if needed
+                        # measures them all
+                        pays[key] = any([transposed_pays(weight, rows, cold=cold) for rows in self.rows])
                     if not pays[key]:
                         continue
                 module.forward = functools.partial(_skinny_linear_forward, module)
