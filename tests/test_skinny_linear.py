@@ -112,6 +112,10 @@ def test_each_measured_run_reads_a_weight_out_of_cache(monkeypatch, kernel_choic
     assert len({c.data_ptr() for c in copies}) == 8 and copies[8] is weight  # 8 distinct, then again from the first
     large = torch.randn(64, 64)  # 16 KiB, more than twice the cache
     assert all(c is large for c in itertools.islice(kernels.cold_weights(large), 3))
+    monkeypatch.setattr(kernels, "_last_level_cache_bytes", lambda: 2**40)  # a cache far larger than the model:
+    monkeypatch.setattr(kernels, "_MAX_COLD_BYTES", 4096)  # the copies stay bounded
+    assert len({c.data_ptr() for c in itertools.islice(kernels.cold_weights(weight), 16)}) == 4
+    monkeypatch.setattr(kernels, "_last_level_cache_bytes", lambda: 4096)
     read = []
     kernels._measure(torch.randn(2, 16), weight, cold=iter(_recorded(copies, read)))
     assert [id(c) for c in read] == [id(c) for c in copies[: 2 * (kernels._MEASURE_REPEATS + 1)]]  # one per run

@@ -30,6 +30,7 @@ _MEASURE_REPEATS = 3  # timed runs of each kernel per measurement (after one unt
 # passed through them since a layer's last use: copies of the weight together this many times the last-level cache.
 _COLD_CACHE_MULTIPLE = 2
 _DEFAULT_CACHE_BYTES = 32 * 2**20  # where the OS does not say (Linux's sysfs does)
+_MAX_COLD_BYTES = 256 * 2**20  # at most this much in copies: a cache larger than that holds much of a small model
 # (out_features, in_features, row bucket, torch threads) -> whether the transposed product measured faster.
 _transposed_is_faster: dict[tuple[int, int, int, int], bool] = {}
 _measuring_seconds = 0.0  # wall time spent measuring, left out of `step_clock`
@@ -117,7 +118,7 @@ def cold_weights(weight: torch.Tensor) -> Iterator[torch.Tensor]:
     """`weight` and copies of it, in turn, endlessly: `_COLD_CACHE_MULTIPLE` times the last-level cache together (just
     `weight` where it is that large itself), so that each has left the cache by the time it is read again (the copies
     made last are read last, after the first ones, which the later copies pushed out)."""
-    needed = _COLD_CACHE_MULTIPLE * _last_level_cache_bytes()
+    needed = min(_COLD_CACHE_MULTIPLE * _last_level_cache_bytes(), _MAX_COLD_BYTES)
     count = -(-needed // (weight.numel() * weight.element_size()))
     return itertools.cycle([weight] + [weight.clone() for _ in range(count - 1)])
 
