@@ -35,14 +35,16 @@ from interleaved_ab import load_prompts, print_report, time_rounds  # noqa: E402
 VARIANTS = ("static", "measured", "realised", "defaults")
 
 
-def static_rule(flat, weight) -> bool:
+def static_rule(flat, weight, cold=None) -> str:
     """The kernel rule before measured choices (commit 0a90bdc): fixed by row count and thread count."""
     import torch
 
     rows, tall = flat.shape[0], weight.shape[0] >= 8 * weight.shape[1]
     if torch.get_num_threads() == 1:
-        return 2 <= rows <= (8 if tall else 4)
-    return (1 if tall else 2) <= rows <= 256
+        transposed = 2 <= rows <= (8 if tall else 4)
+    else:
+        transposed = (1 if tall else 2) <= rows <= 256
+    return "transposed" if transposed else "linear"
 
 
 def main():
@@ -70,7 +72,7 @@ def main():
     def rules(variant):
         @contextlib.contextmanager
         def variant_rules():
-            kernels._transposed_is_faster = tables[variant]
+            kernels._kernel_choice = tables[variant]
             kernels._measure = static_rule if variant == "static" else measure
             if variant in ("static", "measured"):  # confidences alone: the realised rate never gets a sample
                 AutoDraftLength.record = lambda self, w, s, d=None, accepted=None: record(self, w, s, d)

@@ -1,21 +1,22 @@
-"""A/B of how `skinny_linear` measures its kernel choice, at the drafter's defaults (docs/benchmarks.md, "Kernel
-choice with the weights out of cache").
+"""A/B of how `skinny_linear` chooses its kernels, at the drafter's defaults (docs/benchmarks.md, "Kernel choice with
+the weights out of cache", "oneDNN's packed weights").
 
 - "cached": each timed run of a kernel reads the same weight, which the run before left in the CPU's caches (the
-  measurement before this change);
-- "cold" (the core): each run reads another copy of the weight, so that it comes from memory as in a forward.
+  measurement before the cold copies);
+- "unpacked": the weights out of cache, choosing between `F.linear` and the transposed product only (the kernels
+  before the packed product);
+- "cold" (the core): the weights out of cache, and the packed product among the candidates where oneDNN has it.
 
 Each variant keeps its own kernel choices (measured on its first use of a weight shape and row count, as a new process
-does) and its own `drafter.draft_length_memory`. The cached choice changed from process to process, so run this script
-several times. Each round runs plain `generate()` and both variants on every prompt (the demo's, MT-Bench,
+does) and its own `drafter.draft_length_memory`. A choice can change from process to process, so run this script
+several times. Each round runs plain `generate()` and every variant on every prompt (the demo's, MT-Bench,
 HumanEval) in a shuffled order; every output is checked against plain `generate()`'s.
 
-    python scripts/ab_kernel_choice.py --threads 2 --rounds 2 [--num-prompts 3] [--max-new-tokens 128]
+    python scripts/ab_kernel_choice.py --threads 2 --rounds 2 [--variants cached,unpacked,cold] [--num-prompts 3]
 """
 
 import argparse
 import contextlib
-import itertools
 import os
 import sys
 from pathlib import Path
@@ -33,6 +34,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds, after one warm-up round")
     parser.add_argument("--num-prompts", type=int, default=3, help="per dataset (MT-Bench, HumanEval)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--variants", default="cached,unpacked,cold", help="comma-separated: cached, unpacked, cold")
     parser.add_argument("--drafter", default=None, help="a drafter folder (default: the shipped one)")
     args = parser.parse_args()
 
@@ -40,30 +42,44 @@ def main():
 
     from transformers_dflash import kernels
 
-    core_cold_weights = kernels.cold_weights
+    class CachedCopies(kernels.ColdCopies):
+        @property
+        def copies(self):
+            return [self.weight]
 
-    def rules(cold_weights):
+    core = {"ColdCopies": kernels.ColdCopies, "packing_available": kernels.packing_available}
+    patches = {
+        "cached": {"ColdCopies": CachedCopies},
+        "unpacked": {"packing_available": lambda: False},
+        "cold": {},
+    }
+
+    def rules(variant):
         choices, memory = {}, {}  # the variant's own, kept from call to call
 
         @contextlib.contextmanager
         def variant_rules():
-            saved = kernels._transposed_is_faster
-            kernels._transposed_is_faster, kernels.cold_weights = choices, cold_weights
+            saved = kernels._kernel_choice
+            kernels._kernel_choice = choices
+            for name, value in {**core, **patches[variant]}.items():
+                setattr(kernels, name, value)
             drafter.draft_length_memory = memory
             try:
                 yield
             finally:
-                kernels._transposed_is_faster, kernels.cold_weights = saved, core_cold_weights
+                kernels._kernel_choice = saved
+                for name, value in core.items():
+                    setattr(kernels, name, value)
 
         return variant_rules
 
-    variants = {"cached": rules(lambda weight: itertools.repeat(weight)), "cold": rules(core_cold_weights)}
+    variants = {variant: rules(variant) for variant in args.variants.split(",")}
     torch.set_num_threads(args.threads)
     target, tokenizer, drafter = load_smollm2_pair(args.drafter)
     prompts = load_prompts(tokenizer, args.num_prompts)
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     timings = time_rounds(target, drafter, prompts, kwargs, variants, args.rounds, seed=args.threads)
-    print_report(timings, args.threads, baseline="cached")
+    print_report(timings, args.threads, baseline=next(iter(variants)))
 
 
 if __name__ == "__main__":

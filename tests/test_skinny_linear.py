@@ -44,19 +44,23 @@ def kernel_choices(monkeypatch):
     """The kernels module with an empty table of measured choices (restored afterwards)."""
     from transformers_dflash import kernels
 
-    monkeypatch.setattr(kernels, "_transposed_is_faster", {})
+    monkeypatch.setattr(kernels, "_kernel_choice", {})
     return kernels
 
 
 def test_kernel_choice_is_measured_once_per_shape_row_count_and_threads(monkeypatch, kernel_choices):
-    """The first input of each (weight shape, row count, thread count) is timed with both kernels; the faster one is
+    """The first input of each (weight shape, row count, thread count) is timed with each kernel; the fastest one is
     used from then on. Row counts above 8 share a power-of-two bucket; past 256 rows nothing is measured. Where
     `F.linear` is chosen, the output is `F.linear`'s bit for bit."""
     kernels = kernel_choices
     measured, products = [], []
     # Stand-in measurement: the transposed product "wins" for even row counts.
     monkeypatch.setattr(
-        kernels, "_measure", lambda flat, weight, cold=None: measured.append(flat.shape[0]) or flat.shape[0] % 2 == 0
+        kernels,
+        "_measure",
+        lambda flat, weight, cold=None: (
+            measured.append(flat.shape[0]) or ("linear", "transposed")[flat.shape[0] % 2 == 0]
+        ),
     )
     monkeypatch.setattr(kernels.torch, "mm", lambda *a: products.append(1) or torch.matmul(*a))
     weight = torch.randn(40, 24)
@@ -95,7 +99,7 @@ def test_measuring_is_left_out_of_the_step_clock(monkeypatch, kernel_choices):
     monkeypatch.setattr(kernels, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks))))
     monkeypatch.setattr(kernels, "_measuring_seconds", 0.0)
     before = kernels.step_clock()
-    assert kernels._measure(torch.randn(3, 24), torch.randn(40, 24)) in (True, False)
+    assert kernels._measure(torch.randn(3, 24), torch.randn(40, 24)) in ("linear", "transposed", "packed")
     assert next(ticks) - 1 - before > 10  # the measurement read the clock many times ...
     assert kernels.step_clock() - before == 3.0  # ... but the step clock moved by its own readings only
 
@@ -103,28 +107,105 @@ def test_measuring_is_left_out_of_the_step_clock(monkeypatch, kernel_choices):
 def test_each_measured_run_reads_a_weight_out_of_cache(monkeypatch, kernel_choices):
     """A forward reads each weight from memory (the rest of the model has passed through the caches since), so the
     choice is measured on copies that together are twice the last-level cache, each read once per lap; a weight
-    that large itself is measured as it is. Every run of `_measure` takes the next copy."""
+    that large itself is measured as it is. Every run of `_measure` takes the next copy, packed for the packed
+    product."""
     kernels = kernel_choices
     monkeypatch.setattr(kernels, "_last_level_cache_bytes", lambda: 4096)  # bytes: 2 x 4096 = 8 weights of 1 KiB
     weight = torch.randn(16, 16)  # 1 KiB of float32
-    copies = list(itertools.islice(kernels.cold_weights(weight), 16))
+    cold = kernels.ColdCopies(weight)
+    copies = list(itertools.islice(cold.cycle(), 16))
     assert copies[0] is weight and all(torch.equal(c, weight) for c in copies)
     assert len({c.data_ptr() for c in copies}) == 8 and copies[8] is weight  # 8 distinct, then again from the first
+    assert cold.copies is cold.copies  # made once, for all the row counts measured on them
     large = torch.randn(64, 64)  # 16 KiB, more than twice the cache
-    assert all(c is large for c in itertools.islice(kernels.cold_weights(large), 3))
+    assert all(c is large for c in itertools.islice(kernels.ColdCopies(large).cycle(), 3))
     monkeypatch.setattr(kernels, "_last_level_cache_bytes", lambda: 2**40)  # a cache far larger than the model:
     monkeypatch.setattr(kernels, "_MAX_COLD_BYTES", 4096)  # the copies stay bounded
-    assert len({c.data_ptr() for c in itertools.islice(kernels.cold_weights(weight), 16)}) == 4
+    assert len(kernels.ColdCopies(weight).copies) == 4
+    monkeypatch.setattr(kernels, "_MAX_COLD_COPIES", 3)  # and so does their count, for a weight of a few KiB
+    assert len(kernels.ColdCopies(weight).copies) == 3
     monkeypatch.setattr(kernels, "_last_level_cache_bytes", lambda: 4096)
-    read = []
-    kernels._measure(torch.randn(2, 16), weight, cold=iter(_recorded(copies, read)))
-    assert [id(c) for c in read] == [id(c) for c in copies[: 2 * (kernels._MEASURE_REPEATS + 1)]]  # one per run
+
+    class Recorded(kernels.ColdCopies):
+        def cycle(self, packed=False):
+            kernel = len(cycles)
+            cycles.append(packed)
+            return (read.append((kernel, index)) or c for index, c in enumerate(super().cycle(packed)))
+
+    cycles, read = [], []
+    kernels._measure(torch.randn(2, 16), weight, cold=Recorded(weight))
+    assert cycles == [False, False, True] if kernels.packing_available() else [False, False]  # the packed: packed
+    runs = kernels._MEASURE_REPEATS + 1
+    assert len(read) == len(cycles) * runs  # one copy per run, each kernel from its own cycle, the next copy each time
+    assert all([index for kernel, index in read if kernel == k] == list(range(runs)) for k in range(len(cycles)))
 
 
-def _recorded(items, read):
-    for item in items:
-        read.append(item)
-        yield item
+@pytest.fixture
+def packing(kernel_choices):
+    if not kernel_choices.packing_available():
+        pytest.skip("this torch has no oneDNN packed linear")
+    return kernel_choices
+
+
+@pytest.mark.parametrize("shape", [(24,), (1, 24), (3, 5, 24), (9, 24), (256, 24)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_agrees_with_linear(shape, with_bias, packing, threads):
+    torch.manual_seed(0)
+    x, weight = torch.randn(shape), torch.randn(40, 24)
+    bias = torch.randn(40) if with_bias else None
+    out = packing.packed_linear(x, weight, bias)
+    assert out.shape == (*shape[:-1], 40)
+    torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_copy_follows_its_weight(packing):
+    """The packed copy is made once, made again after an in-place change of the weight (a training step, a
+    `load_state_dict`), and dropped when the weight is freed."""
+    import gc
+
+    weight, x = torch.randn(40, 24), torch.randn(3, 24)
+    first = packing.packed_weight(weight)
+    assert packing.packed_weight(weight) is first
+    with torch.no_grad():
+        weight.mul_(2)
+    assert packing.packed_weight(weight) is not first
+    torch.testing.assert_close(packing.packed_linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    key = id(weight)
+    assert key in packing._packed_weights
+    del weight
+    gc.collect()
+    assert key not in packing._packed_weights
+
+
+def test_packed_choice_keeps_gradients(monkeypatch, packing):
+    """Where autograd must differentiate the product, a packed choice computes `F.linear` instead (the packed
+    operator has no backward)."""
+    monkeypatch.setattr(packing, "_measure", lambda flat, weight, cold=None: "packed")
+    x, weight = torch.randn(4, 8, requires_grad=True), torch.randn(6, 8, requires_grad=True)
+    skinny_linear(x, weight).square().sum().backward()
+    expected_x, expected_w = torch.autograd.grad(F.linear(x, weight).square().sum(), (x, weight))
+    torch.testing.assert_close(x.grad, expected_x)
+    torch.testing.assert_close(weight.grad, expected_w)
+    with torch.no_grad():
+        torch.testing.assert_close(skinny_linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+def test_without_packing_two_products_are_measured(monkeypatch, kernel_choices):
+    """A torch whose oneDNN operators are missing or fail is measured with `F.linear` and the transposed product
+    only, never chooses the packed one."""
+    kernels = kernel_choices
+
+    def missing(weight):
+        raise RuntimeError("no mkldnn here")
+
+    monkeypatch.setattr(kernels, "_pack", missing)
+    kernels.packing_available.cache_clear()
+    try:
+        assert not kernels.packing_available()
+        for rows in (1, 4, 8):
+            assert kernels._measure(torch.randn(rows, 64), torch.randn(512, 64)) in ("linear", "transposed")
+    finally:
+        kernels.packing_available.cache_clear()
 
 
 @pytest.mark.parametrize(
@@ -163,14 +244,14 @@ def test_context_patches_plain_linears_only_and_restores_them():
     assert "forward" not in model[0].__dict__ and model[2].forward is hooked
 
 
-def test_context_with_rows_patches_only_the_layers_faster_transposed_for_one_of_them(monkeypatch, kernel_choices):
+def test_context_with_rows_patches_only_the_layers_faster_another_way_for_one_of_them(monkeypatch, kernel_choices):
     """Given the row counts to expect, the context measures each (weight shape, row count) on entry, once, and leaves
     the layers whose shape is faster with F.linear for all of them as they are (no per-call detour)."""
     measured = []
 
     def measure(flat, weight, cold=None):
         measured.append((tuple(weight.shape), flat.shape[0]))
-        return weight.shape[0] == 40 and flat.shape[0] == 4  # only (40 x 24, 4 rows) is faster transposed
+        return "transposed" if weight.shape[0] == 40 and flat.shape[0] == 4 else "linear"  # only (40 x 24, 4 rows)
 
     monkeypatch.setattr(kernel_choices, "_measure", measure)
     model = nn.Sequential(nn.Linear(24, 40), nn.Linear(40, 24), nn.Linear(24, 40))
@@ -196,12 +277,15 @@ def test_context_restores_after_an_error():
 
 
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
-@pytest.mark.parametrize("kernel", ["transposed", "measured", "stock"])
-def test_float32_greedy_is_lossless_with_either_kernel(arch, kernel, oracle, monkeypatch, kernel_choices):
+@pytest.mark.parametrize("kernel", ["transposed", "packed", "measured", "stock"])
+def test_float32_greedy_is_lossless_with_each_kernel(arch, kernel, oracle, monkeypatch, kernel_choices):
     """float32 is where the kernel runs: accepted, partly accepted and rejected blocks all equal plain generate(),
-    with the transposed product wherever it applies, with this machine's measured choice, and with F.linear."""
-    if kernel == "transposed":
-        monkeypatch.setattr(kernel_choices, "_measure", lambda flat, weight, cold=None: True)
+    with the transposed or the packed product wherever it applies, with this machine's measured choice, and with
+    F.linear."""
+    if kernel == "packed" and not kernel_choices.packing_available():
+        pytest.skip("this torch has no oneDNN packed linear")
+    if kernel in ("transposed", "packed"):
+        monkeypatch.setattr(kernel_choices, "_measure", lambda flat, weight, cold=None: kernel)
     target = make_target(arch, dtype=torch.float32, seed=3, eos_token_id=None)
     drafter = make_drafter(target, block_size=5, seed=4)
     drafter.fast_cpu_linears = kernel != "stock"
@@ -218,7 +302,7 @@ def test_float32_greedy_is_lossless_with_either_kernel(arch, kernel, oracle, mon
 def test_decoding_uses_the_kernel_only_when_enabled(monkeypatch, kernel_choices):
     import transformers_dflash.kernels as generation
 
-    monkeypatch.setattr(kernel_choices, "_measure", lambda flat, weight, cold=None: True)  # wherever it applies
+    monkeypatch.setattr(kernel_choices, "_measure", lambda flat, weight, cold=None: "transposed")  # wherever it can
 
     calls = []
     original = generation.skinny_linear

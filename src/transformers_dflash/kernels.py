@@ -13,64 +13,85 @@ import glob
 import itertools
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator
+import weakref
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-# Row counts for which `skinny_linear` considers the transposed product: verification widths x batch rows, short
-# prefills (a longer product keeps `F.linear`).
+# Row counts for which `skinny_linear` considers other products than `F.linear`: verification widths x batch rows,
+# short prefills (a longer product keeps `F.linear`).
 _MAX_ROWS = 256
-# The transposed product is chosen only when it measured at least this much faster: a near tie keeps `F.linear`,
-# which is bit for bit what plain decoding computes.
+# Another product is chosen only when it measured at least this much faster: a near tie keeps `F.linear`, which is
+# bit for bit what plain decoding computes.
 _MARGIN = 0.9
+# The packed product keeps a second copy of its weight in memory, so it must also beat the best product that needs
+# none by this much.
+_PACKED_MARGIN = 0.75
+# The weight layout oneDNN is told to expect row counts up to (a hint: any row count works). On a 2-core Intel Xeon
+# the LM head took about the same time packed for 8 or 16 (docs/benchmarks.md, "oneDNN's packed weights").
+_PACKED_ROWS_HINT = 16
 _MEASURE_REPEATS = 3  # timed runs of each kernel per measurement (after one untimed run), the fastest counts
 # Each timed run reads a weight that is not in the CPU's caches, as in a forward, where the rest of the model has
 # passed through them since a layer's last use: copies of the weight together this many times the last-level cache.
 _COLD_CACHE_MULTIPLE = 2
 _DEFAULT_CACHE_BYTES = 32 * 2**20  # where the OS does not say (Linux's sysfs does)
 _MAX_COLD_BYTES = 256 * 2**20  # at most this much in copies: a cache larger than that holds much of a small model
-# (out_features, in_features, row bucket, torch threads) -> whether the transposed product measured faster.
-_transposed_is_faster: dict[tuple[int, int, int, int], bool] = {}
+# And at most this many: a weight so small that it takes more (a few KiB) is timed by the call's overhead, not its
+# reads, and copying and packing it 10^5 times took seconds. SmolLM2's smallest weight takes 607 copies of 256 MiB.
+_MAX_COLD_COPIES = 1024
+# (out_features, in_features, row bucket, torch threads) -> the product measured fastest: "linear" (`F.linear`),
+# "transposed" (`transposed_linear`) or "packed" (`packed_linear`).
+_kernel_choice: dict[tuple[int, int, int, int], str] = {}
 _measuring_seconds = 0.0  # wall time spent measuring, left out of `step_clock`
+# id(weight) -> (the weight's version counter when packed, its packed copy); an entry goes with its weight.
+_packed_weights: dict[int, tuple[int, torch.Tensor]] = {}
 
 
 def skinny_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(input, weight, bias)`, or the same product computed transposed (`transposed_linear`) where that was
-    measured faster on this machine, for a few float32 rows on a CPU.
+    """`F.linear(input, weight, bias)`, or the same product computed another way where that was measured faster on
+    this machine, for a few float32 rows on a CPU: transposed (`transposed_linear`) or by oneDNN on a copy of the
+    weight in its own blocked layout (`packed_linear`).
 
     Which one is faster depends on the CPU and its BLAS, the weight's shape, the row count and torch's thread count,
     and not in one direction (docs/benchmarks.md, "a 2-core Intel Xeon, where the EPYC's kernel rule was a loss"):
     on a 2-core AMD EPYC the transposed product streamed the weights once where MKL's GEMM took 1.6-1.8x a one-row
     product for 2..16 rows; on a 2-core Intel Xeon with AVX-512 it was 1.1-2.8x SLOWER than `F.linear` for most
-    shapes up to 4 rows. So each (weight shape, row count, thread count) is timed once per process, on its first
-    input, both kernels interleaved (`_measure`; row counts above 8 share a power-of-two bucket), and the faster one
-    is used from then on. Same arithmetic, other summation order: results agree to float32 rounding, like any change
-    of batch shape. Other devices, dtypes and row counts take `F.linear` unchanged.
+    shapes up to 4 rows, and there MKL took 3.3x its one-row time for an LM head's 8 rows where the packed product
+    took 1.3x. So each (weight shape, row count, thread count) is timed once per process, on its first input, the
+    kernels interleaved (`_measure`; row counts above 8 share a power-of-two bucket), and the fastest one is used from
+    then on. Same arithmetic, other summation order: results agree to float32 rounding, like any change of batch
+    shape. Other devices, dtypes and row counts, and products that autograd must differentiate, take `F.linear`.
     """
     rows = input.numel() // input.shape[-1] if input.dim() > 0 and input.shape[-1] else 0
-    if input.device.type != "cpu" or input.dtype != torch.float32 or not transposed_pays(weight, rows, input):
+    if input.device.type != "cpu" or input.dtype != torch.float32:
         return F.linear(input, weight, bias)
-    flat = input.reshape(rows, input.shape[-1])
-    return transposed_linear(flat, weight, bias).view(*input.shape[:-1], weight.shape[0])
+    kernel = kernel_for(weight, rows, input)
+    if kernel == "packed" and not (torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad)):
+        return packed_linear(input, weight, bias)
+    if kernel == "transposed":
+        flat = input.reshape(rows, input.shape[-1])
+        return transposed_linear(flat, weight, bias).view(*input.shape[:-1], weight.shape[0])
+    return F.linear(input, weight, bias)
 
 
-def transposed_pays(
-    weight: torch.Tensor, rows: int, input: torch.Tensor | None = None, cold: Callable[[], Iterator] | None = None
-) -> bool:
-    """Whether `rows` rows times this float32 CPU `weight` are computed faster transposed, with torch's thread count:
-    the measured choice (measured now, on `input` or on random rows, if this is the first such product; `cold`
-    gives the weight's copies to measure on, `cold_weights`, where several row counts are measured in a row)."""
+def kernel_for(
+    weight: torch.Tensor, rows: int, input: torch.Tensor | None = None, cold: "ColdCopies | None" = None
+) -> str:
+    """The product that computes `rows` rows times this float32 CPU `weight` fastest with torch's thread count
+    ("linear", "transposed" or "packed"): the measured choice (measured now, on `input` or on random rows, if this is
+    the first such product; `cold`: the weight's copies to measure on, where several row counts are measured in a
+    row)."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or not 1 <= rows <= _MAX_ROWS:
-        return False
+        return "linear"
     bucket = rows if rows <= 8 else 1 << (rows - 1).bit_length()
     key = (weight.shape[0], weight.shape[1], bucket, torch.get_num_threads())
-    faster = _transposed_is_faster.get(key)
-    if faster is None:
+    kernel = _kernel_choice.get(key)
+    if kernel is None:
         flat = input.reshape(rows, -1) if input is not None else torch.randn(rows, weight.shape[1])
-        faster = _transposed_is_faster[key] = _measure(flat, weight, cold() if cold is not None else None)
-    return faster
+        kernel = _kernel_choice[key] = _measure(flat, weight, cold)
+    return kernel
 
 
 def transposed_linear(flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -87,40 +108,103 @@ def transposed_linear(flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return (output + bias if bias is not None else output).contiguous()
 
 
-@torch.no_grad()
-def _measure(flat: torch.Tensor, weight: torch.Tensor, cold: Iterator[torch.Tensor] | None = None) -> bool:
-    """Whether `transposed_linear` is clearly faster than `F.linear` for this input and weight: each runs once
-    untimed, then `_MEASURE_REPEATS` times, the two alternating (which goes first alternates too); the fastest run of
-    each is compared.
+def packed_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(input, weight, bias)` computed by oneDNN on `packed_weight(weight)`, a copy of the weight in oneDNN's
+    blocked layout made on first use and kept while the weight lives (and unchanged). No gradients."""
+    return _packed_product(input, packed_weight(weight), bias)
 
-    Each run reads the next copy of the weight from `cold` (default: `cold_weights(weight)`), so that it comes from
-    memory as in a forward, not from the cache that the run before filled: with the weight cached, the two kernels
-    were near ties for SmolLM2's layer shapes at 2-4 rows, and which one a process chose changed from process to
-    process; read from memory, the transposed product took 0.3-0.7 of `F.linear`'s time there (docs/benchmarks.md,
-    "Kernel choice with the weights out of cache")."""
+
+def _packed_product(input: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(input, packed, bias, "none", [], "")
+
+
+def packed_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` in oneDNN's blocked layout for few-row products, made once and repacked if the weight has changed in
+    place since (its version counter moved); the copy is dropped when the weight is freed."""
+    key = id(weight)
+    entry = _packed_weights.get(key)
+    if entry is None or entry[0] != weight._version:
+        if entry is None:
+            weakref.finalize(weight, _packed_weights.pop, key, None)
+        entry = _packed_weights[key] = (weight._version, _pack(weight))
+    return entry[1]
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACKED_ROWS_HINT)
+
+
+@functools.cache
+def packing_available() -> bool:
+    """Whether this torch has oneDNN's packed linear (a private operator of its CPU builds, used by torch.compile's
+    CPU backend) and it runs here. Checked once, on a small product against `F.linear`."""
+    if not torch.backends.mkldnn.is_available() or not torch.backends.mkldnn.enabled:
+        return False
+    try:
+        weight, flat = torch.randn(24, 16), torch.randn(3, 16)
+        return bool(torch.allclose(_packed_product(flat, _pack(weight)), F.linear(flat, weight), atol=1e-4))
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+@torch.no_grad()
+def _measure(flat: torch.Tensor, weight: torch.Tensor, cold: "ColdCopies | None" = None) -> str:
+    """The fastest product for this input and weight: each kernel runs once untimed, then `_MEASURE_REPEATS` times,
+    the kernels alternating (their order rotates from run to run); the fastest run of each is compared.
+    `transposed_linear` must beat `F.linear` by `_MARGIN`, the packed product (where oneDNN has it) the better of the
+    two by `_PACKED_MARGIN` as well, since it keeps a copy of the weight.
+
+    Each run reads the next copy of the weight from `cold` (default: `ColdCopies(weight)`), so that it comes from
+    memory as in a forward, not from the cache that the run before filled: with the weight cached, `F.linear` and the
+    transposed product were near ties for SmolLM2's layer shapes at 2-4 rows, and which one a process chose changed
+    from process to process; read from memory, the transposed product took 0.3-0.7 of `F.linear`'s time there
+    (docs/benchmarks.md, "Kernel choice with the weights out of cache")."""
     global _measuring_seconds
     start = time.perf_counter()
-    cold = cold_weights(weight) if cold is None else cold
-    best = {"linear": math.inf, "transposed": math.inf}
-    kernels = [("linear", F.linear), ("transposed", transposed_linear)]
+    cold = ColdCopies(weight) if cold is None else cold
+    kernels = {"linear": (F.linear, cold.cycle()), "transposed": (transposed_linear, cold.cycle())}
+    if packing_available():
+        kernels["packed"] = (_packed_product, cold.cycle(packed=True))
+    best = dict.fromkeys(kernels, math.inf)
+    names = list(kernels)
     for repeat in range(_MEASURE_REPEATS + 1):
-        for name, kernel in kernels if repeat % 2 else kernels[::-1]:
-            copy_of_weight = next(cold)
+        for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
+            kernel, copies = kernels[name]
+            copy_of_weight = next(copies)
             began = time.perf_counter()
             kernel(flat, copy_of_weight)
             if repeat:
                 best[name] = min(best[name], time.perf_counter() - began)
     _measuring_seconds += time.perf_counter() - start
-    return best["transposed"] < _MARGIN * best["linear"]
+    chosen = "transposed" if best["transposed"] < _MARGIN * best["linear"] else "linear"
+    if best.get("packed", math.inf) < min(_PACKED_MARGIN * best[chosen], _MARGIN * best["linear"]):
+        chosen = "packed"
+    return chosen
 
 
-def cold_weights(weight: torch.Tensor) -> Iterator[torch.Tensor]:
-    """`weight` and copies of it, in turn, endlessly: `_COLD_CACHE_MULTIPLE` times the last-level cache together (just
-    `weight` where it is that large itself), so that each has left the cache by the time it is read again (the copies
-    made last are read last, after the first ones, which the later copies pushed out)."""
-    needed = min(_COLD_CACHE_MULTIPLE * _last_level_cache_bytes(), _MAX_COLD_BYTES)
-    count = -(-needed // (weight.numel() * weight.element_size()))
-    return itertools.cycle([weight] + [weight.clone() for _ in range(count - 1)])
+class ColdCopies:
+    """`weight` and copies of it that together are `_COLD_CACHE_MULTIPLE` times the last-level cache (just `weight`
+    where it is that large itself; at most `_MAX_COLD_BYTES` and `_MAX_COLD_COPIES`), made on first use and kept for
+    the measurements of all the row counts of its shape; `cycle()` gives them in turn, endlessly, so that each has
+    left the cache by the time it is read again (the copies made last are read last, after the first ones, which the
+    later copies pushed out). `cycle(packed=True)` gives the same copies packed for oneDNN (`packed_linear`)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+
+    @functools.cached_property
+    def copies(self) -> list[torch.Tensor]:
+        needed = min(_COLD_CACHE_MULTIPLE * _last_level_cache_bytes(), _MAX_COLD_BYTES)
+        count = min(-(-needed // (self.weight.numel() * self.weight.element_size())), _MAX_COLD_COPIES)
+        return [self.weight] + [self.weight.clone() for _ in range(count - 1)]
+
+    @functools.cached_property
+    def packed_copies(self) -> list[torch.Tensor]:
+        return [_pack(copy_of_weight) for copy_of_weight in self.copies]
+
+    def cycle(self, packed: bool = False) -> Iterator[torch.Tensor]:
+        return itertools.cycle(self.packed_copies if packed else self.copies)
 
 
 @functools.cache
@@ -154,9 +238,9 @@ class skinny_linears:
     The original `forward` is restored on exit, also after an error.
 
     `rows`: the row counts the block will mostly run (e.g. verification widths x batch), or None. Given, the choice
-    for each of them is measured on entry, and a layer whose weight is faster transposed for none of them is left as
-    it is: the detour through `skinny_linear` costs a few microseconds per call (measured: 6.6 us on a 2-core Xeon,
-    2.5 % of a SmolLM2 step over its 211 layers), for nothing where `F.linear` would be chosen anyway.
+    for each of them is measured on entry, and a layer whose weight is fastest with `F.linear` for all of them is left
+    as it is: the detour through `skinny_linear` costs a few microseconds per call (measured: 6.6 us on a 2-core
+    Xeon, 2.5 % of a SmolLM2 step over its 211 layers), for nothing where `F.linear` would be chosen anyway.
     """
 
     def __init__(self, *models: nn.Module, rows: Iterable[int] | None = None):
@@ -173,9 +257,9 @@ class skinny_linears:
                     weight = module.weight
                     key = (weight.shape, weight.dtype, weight.device)
                     if key not in pays:
-                        cold = functools.cache(functools.partial(cold_weights, weight))  # made once, if needed
-                        # measures them all
-                        pays[key] = any([transposed_pays(weight, rows, cold=cold) for rows in self.rows])
+                        cold = ColdCopies(weight)  # its copies are made once, if a row count is measured
+                        kernels = [kernel_for(weight, rows, cold=cold) for rows in self.rows]  # measures them all
+                        pays[key] = any(kernel != "linear" for kernel in kernels)
                     if not pays[key]:
                         continue
                 module.forward = functools.partial(_skinny_linear_forward, module)

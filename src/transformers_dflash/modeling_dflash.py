@@ -390,7 +390,8 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         # threshold or "auto" (see draft_length.py). A run-time setting, not saved with the checkpoint.
         self.draft_length: float | str | None = None
         # Verify (and draft) through `kernels.skinny_linear` on CPUs: for the few rows of a verification forward it
-        # takes whichever of two products was measured faster on this machine. A run-time setting, not saved.
+        # takes whichever product (F.linear, transposed, oneDNN-packed) was measured fastest on this machine. A
+        # run-time setting, not saved.
         self.fast_cpu_linears: bool = True
         # Also copy drafts from the sequence itself when its last n tokens occurred before (ngram_lookup.py): None
         # (the device's default), 0 (off) or the longest n-gram to match. A run-time setting, not saved.
