@@ -5,6 +5,8 @@ the weights out of cache", "oneDNN's packed weights").
   measurement before the cold copies);
 - "unpacked": the weights out of cache, choosing between `F.linear` and the transposed product only (the kernels
   before the packed product);
+- "any-saving": the cold choice, taking another product wherever it is faster by the margin, however little it
+  saves (before `_MIN_SAVING_SECONDS`);
 - "cold" (the core): the weights out of cache, and the packed product among the candidates where oneDNN has it.
 
 Each variant keeps its own kernel choices (measured on its first use of a weight shape and row count, as a new process
@@ -34,7 +36,10 @@ def main():
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds, after one warm-up round")
     parser.add_argument("--num-prompts", type=int, default=3, help="per dataset (MT-Bench, HumanEval)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--variants", default="cached,unpacked,cold", help="comma-separated: cached, unpacked, cold")
+    parser.add_argument(
+        "--variants", default="cached,unpacked,cold", help="comma-separated: cached, unpacked, any-saving, cold"
+    )
+    parser.add_argument("--draft-length", default=None, help='the drafter\'s draft_length (default: its own, "auto")')
     parser.add_argument("--drafter", default=None, help="a drafter folder (default: the shipped one)")
     args = parser.parse_args()
 
@@ -47,10 +52,15 @@ def main():
         def copies(self):
             return [self.weight]
 
-    core = {"ColdCopies": kernels.ColdCopies, "packing_available": kernels.packing_available}
+    core = {
+        "ColdCopies": kernels.ColdCopies,
+        "packing_available": kernels.packing_available,
+        "_MIN_SAVING_SECONDS": kernels._MIN_SAVING_SECONDS,
+    }
     patches = {
         "cached": {"ColdCopies": CachedCopies},
         "unpacked": {"packing_available": lambda: False},
+        "any-saving": {"_MIN_SAVING_SECONDS": 0.0},
         "cold": {},
     }
 
@@ -76,6 +86,8 @@ def main():
     variants = {variant: rules(variant) for variant in args.variants.split(",")}
     torch.set_num_threads(args.threads)
     target, tokenizer, drafter = load_smollm2_pair(args.drafter)
+    if args.draft_length is not None:
+        drafter.draft_length = args.draft_length if args.draft_length in ("auto", "full") else float(args.draft_length)
     prompts = load_prompts(tokenizer, args.num_prompts)
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     timings = time_rounds(target, drafter, prompts, kwargs, variants, args.rounds, seed=args.threads)

@@ -91,6 +91,26 @@ def test_kernel_choice_is_measured_once_per_shape_row_count_and_threads(monkeypa
     assert measured == [4]
 
 
+@pytest.mark.parametrize(
+    "microseconds, chosen",
+    [
+        ({"linear": 100, "transposed": 85}, "transposed"),
+        ({"linear": 100, "transposed": 95}, "linear"),  # within the margin: F.linear, bit for bit plain decoding's
+        ({"linear": 40, "transposed": 32}, "linear"),  # 20 % faster, but saves less than the detour costs
+        ({"linear": 100, "transposed": 85, "packed": 70}, "transposed"),  # the packed copy must save more
+        ({"linear": 10000, "transposed": 8000, "packed": 5000}, "packed"),
+        ({"linear": 10000, "transposed": 12000, "packed": 7000}, "packed"),
+        ({"linear": 10000, "transposed": 12000, "packed": 8000}, "linear"),  # 20 % faster: not worth a copy
+        ({"linear": 10000, "transposed": 6000, "packed": 5000}, "transposed"),
+        ({"linear": 10000, "transposed": 12000, "packed": 9500}, "linear"),
+    ],
+)
+def test_choice_needs_a_margin_and_a_saving_larger_than_the_detour(microseconds, chosen):
+    from transformers_dflash import kernels
+
+    assert kernels._choose({name: value * 1e-6 for name, value in microseconds.items()}) == chosen
+
+
 def test_measuring_is_left_out_of_the_step_clock(monkeypatch, kernel_choices):
     """The decoding loop times its steps with `step_clock`, which stands still while a kernel choice is measured (a
     fake clock that ticks once per reading: across a measurement the step clock moves by its own two readings)."""

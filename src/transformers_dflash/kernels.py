@@ -26,6 +26,11 @@ _MAX_ROWS = 256
 # Another product is chosen only when it measured at least this much faster: a near tie keeps `F.linear`, which is
 # bit for bit what plain decoding computes.
 _MARGIN = 0.9
+# ... and saved at least this much per call: a layer that takes another product for any row count goes through
+# `skinny_linear` for all of them, a detour of 6.6 us per call on a 2-core Xeon. SmolLM2's layer shapes there were
+# near ties of 15-150 us whose noise chose the transposed product for a row count or two in some processes and
+# slowed every step by the detours (2-4 %); on a 2-core EPYC the transposed product saved 30-100 us per call.
+_MIN_SAVING_SECONDS = 10e-6
 # The packed product keeps a second copy of its weight in memory, so it must also beat the best product that needs
 # none by this much.
 _PACKED_MARGIN = 0.75
@@ -152,8 +157,8 @@ def packing_available() -> bool:
 def _measure(flat: torch.Tensor, weight: torch.Tensor, cold: "ColdCopies | None" = None) -> str:
     """The fastest product for this input and weight: each kernel runs once untimed, then `_MEASURE_REPEATS` times,
     the kernels alternating (their order rotates from run to run); the fastest run of each is compared.
-    `transposed_linear` must beat `F.linear` by `_MARGIN`, the packed product (where oneDNN has it) the better of the
-    two by `_PACKED_MARGIN` as well, since it keeps a copy of the weight.
+    Another product must beat `F.linear` by `_MARGIN` and `_MIN_SAVING_SECONDS`; the packed product (where oneDNN has
+    it) the better of the two others by `_PACKED_MARGIN` as well, since it keeps a copy of the weight.
 
     Each run reads the next copy of the weight from `cold` (default: `ColdCopies(weight)`), so that it comes from
     memory as in a forward, not from the cache that the run before filled: with the weight cached, `F.linear` and the
@@ -177,9 +182,17 @@ def _measure(flat: torch.Tensor, weight: torch.Tensor, cold: "ColdCopies | None"
             if repeat:
                 best[name] = min(best[name], time.perf_counter() - began)
     _measuring_seconds += time.perf_counter() - start
-    chosen = "transposed" if best["transposed"] < _MARGIN * best["linear"] else "linear"
-    if best.get("packed", math.inf) < min(_PACKED_MARGIN * best[chosen], _MARGIN * best["linear"]):
-        chosen = "packed"
+    return _choose(best)
+
+
+def _choose(seconds: dict[str, float]) -> str:
+    """The product to use, from each one's measured `seconds` ("linear" always among them; see `_measure`)."""
+    linear, chosen = seconds["linear"], "linear"
+    for name in ("transposed", "packed"):  # the packed one last: it must beat the others by `_PACKED_MARGIN`
+        time_taken = seconds.get(name, math.inf)
+        beats_chosen = time_taken < (_PACKED_MARGIN if name == "packed" else 1.0) * seconds[chosen]
+        if beats_chosen and time_taken < _MARGIN * linear and linear - time_taken > _MIN_SAVING_SECONDS:
+            chosen = name
     return chosen
 
 
