@@ -264,6 +264,29 @@ def test_draft_length_policy_rules():
     assert type(draft_length_policy(None, "meta")).__name__ == "FullBlock"  # accelerators verify whole blocks
 
 
+def test_auto_step_costs_follow_every_recorded_step():
+    """`step_costs` is computed once per change of the step times and sliced for narrower asks: a narrow ask, then a
+    wider one, then a new step all give what a fresh computation from the same steps gives."""
+    from transformers_dflash.draft_length import AutoDraftLength
+
+    steps = [(2, 1.0), (1, 0.5), (3, 1.2), (1, 0.6), (2, 0.9), (5, 2.0), (3, 1.1), (1, 0.55), (3, 1.3), (8, 3.0)]
+    policy = AutoDraftLength()
+    for number, (width, seconds) in enumerate(steps, start=1):
+        policy.record(width, seconds)
+        fresh = AutoDraftLength()
+        for recorded in steps[:number]:
+            fresh.record(*recorded)
+        for max_width in (2, 6, 3, 9):
+            assert policy.step_costs(max_width) == fresh.step_costs(max_width)
+            assert (fresh.step_costs(max_width) is None) == (number < 2)
+    assert policy.step_costs(9)[:4] == policy.step_costs(4)
+    before = policy.step_costs(4)
+    policy.start_call()  # keeps the steps (fewer than KEPT per width): the same table
+    assert policy.step_costs(4) == before
+    policy.record(4, 0.1)  # a new step changes the table at once
+    assert policy.step_costs(4) != before
+
+
 def test_auto_stops_drafting_when_the_drafted_steps_realise_less_than_plain_steps():
     """An overconfident drafter: its drafts look worth verifying, but the drafted steps commit fewer tokens per second
     than plain steps do. "auto" then skips the drafter (asking it again after 1, 2, 4 ... skipped steps), and drafts
@@ -353,7 +376,7 @@ def test_auto_starts_each_call_from_what_the_earlier_calls_measured():
     assert not auto.wants_draft()  # ... but it realised 1 token in 2.5 s against 1 in 1 s for plain steps
     auto.start_call()
     assert auto.realised_seconds == 0 and auto.wants_draft()
-    assert sorted({w: sum(1 for x, _ in auto.samples if x == w) for w in (1, 2, 3)}.items()) == [
+    assert sorted({w: len(auto.step_times[w]) for w in (1, 2, 3)}.items()) == [
         (1, AutoDraftLength.KEPT),
         (2, 1),
         (3, AutoDraftLength.KEPT),
@@ -383,10 +406,10 @@ def test_a_drafter_remembers_auto_per_thread_count_and_batch_size(batch):
     key = ("auto", "cpu", torch.get_num_threads(), batch)
     assert torch.equal(target.generate(prompt, assistant_model=drafter, **kwargs), expected)
     policy = drafter.draft_length_memory[key]
-    steps = len(policy.samples)
+    steps = sum(map(len, policy.step_times.values()))
     assert steps > 0 and ("copies", 2, 4) in drafter.draft_length_memory
     assert torch.equal(target.generate(prompt, assistant_model=drafter, **kwargs), expected)
-    assert drafter.draft_length_memory[key] is policy and len(policy.samples) > steps
+    assert drafter.draft_length_memory[key] is policy and sum(map(len, policy.step_times.values())) > steps
     drafter.draft_length = "full"  # other policies keep nothing
     assert torch.equal(target.generate(prompt, assistant_model=drafter, **kwargs), expected)
     assert set(drafter.draft_length_memory) == {key, ("copies", 2, 4)}

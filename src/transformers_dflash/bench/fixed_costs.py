@@ -93,7 +93,7 @@ class FixedCostDraftLength(AutoDraftLength):
         super().__init__()
         self.costs, self.draft_cost = costs, draft_seconds
         # Both widths "measured": nothing left to explore, every choice is made from the table.
-        self.samples = [(1, costs.verify(1)), (2, costs.verify(2))]
+        self.step_times = {1: [costs.verify(1)], 2: [costs.verify(2)]}
         self.draft_seconds = [draft_seconds]
         self.first_draft_seconds = draft_seconds
         self.modelled_seconds = 0.0
