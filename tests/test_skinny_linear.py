@@ -197,6 +197,17 @@ def test_packed_copy_follows_its_weight(packing):
     assert key not in packing._packed_weights
 
 
+def test_packed_copy_of_a_weight_made_in_inference_mode(packing):
+    """A weight made under `torch.inference_mode()` has no version counter (the drafter slices its draft head from the
+    LM head inside generate(), which a user may call in inference mode): its copy is made once and used."""
+    with torch.inference_mode():
+        weight, x = torch.randn(40, 24), torch.randn(3, 24)
+        first = packing.packed_weight(weight)
+        assert packing.packed_weight(weight) is first
+        torch.testing.assert_close(packing.packed_linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    assert packing.packed_weight(weight) is first
+
+
 def test_packed_choice_keeps_gradients(monkeypatch, packing):
     """Where autograd must differentiate the product, a packed choice computes `F.linear` instead (the packed
     operator has no backward)."""

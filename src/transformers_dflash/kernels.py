@@ -125,13 +125,16 @@ def _packed_product(input: torch.Tensor, packed: torch.Tensor, bias: torch.Tenso
 
 def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     """`weight` in oneDNN's blocked layout for few-row products, made once and repacked if the weight has changed in
-    place since (its version counter moved); the copy is dropped when the weight is freed."""
+    place since (its version counter moved); the copy is dropped when the weight is freed. A weight made under
+    `torch.inference_mode()` (e.g. the drafter's slice of the LM head, when generate() runs inside it) has no version
+    counter, so its copy is kept as first made: such tensors are not trained or loaded into."""
     key = id(weight)
+    version = None if weight.is_inference() else weight._version
     entry = _packed_weights.get(key)
-    if entry is None or entry[0] != weight._version:
+    if entry is None or entry[0] != version:
         if entry is None:
             weakref.finalize(weight, _packed_weights.pop, key, None)
-        entry = _packed_weights[key] = (weight._version, _pack(weight))
+        entry = _packed_weights[key] = (version, _pack(weight))
     return entry[1]
 
 
