@@ -26,6 +26,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Each variant measures its own kernel choices, as a new process would: none read from, or written to, the file that
+# keeps a machine's choices between processes (kernel_choices.py).
+os.environ["DFLASH_KERNEL_CACHE"] = "off"
 
 from interleaved_ab import load_prompts, load_smollm2_pair, print_report, time_rounds  # noqa: E402
 

@@ -12,6 +12,9 @@ import transformers_dflash  # noqa: F401  (installs the generation hook)
 from transformers_dflash import DFlashCandidateGenerator, DFlashDraftModel
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# The suite measures kernel choices afresh (tests swap the table of choices) and must not write to the user's cache:
+# the choices stay in memory (`kernel_choices`; tests of the file set their own folder).
+os.environ["DFLASH_KERNEL_CACHE"] = "off"
 
 VOCAB = 96
 EOS, PAD, BOS = 2, 0, 1

@@ -18,6 +18,7 @@ from .configuration_dflash import DFlashConfig
 from .decoding import dflash_decoding
 from .draft_length import AutoDraftLength, ConfidenceThreshold, FullBlock, draft_length_policy
 from .generation_hook import install_generation_hook
+from .kernel_choices import choices_folder
 from .kernels import cpu_kernels, packed_gqa_attention, skinny_linear, skinny_linears
 from .modeling_dflash import DFlashDrafterCache, DFlashDraftModel
 from .ngram_lookup import NgramLookup
@@ -41,6 +42,7 @@ __all__ = [
     "accept_lengths",
     "check_drafter_fits_target",
     "check_state_rollback",
+    "choices_folder",
     "choose_tokens",
     "code_files",
     "cpu_kernels",

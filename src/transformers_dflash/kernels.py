@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .kernel_choices import choices_file, describe_machine, load_choices, save_choices
+
 # Row counts for which `skinny_linear` considers other products than `F.linear`: verification widths x batch rows,
 # short prefills (a longer product keeps `F.linear`).
 _MAX_ROWS = 256
@@ -47,8 +49,12 @@ _MAX_COLD_BYTES = 256 * 2**20  # at most this much in copies: a cache larger tha
 # reads, and copying and packing it 10^5 times took seconds. SmolLM2's smallest weight takes 607 copies of 256 MiB.
 _MAX_COLD_COPIES = 1024
 # (out_features, in_features, row bucket, torch threads) -> the product measured fastest: "linear" (`F.linear`),
-# "transposed" (`transposed_linear`) or "packed" (`packed_linear`).
+# "transposed" (`transposed_linear`) or "packed" (`packed_linear`). Starts from the choices an earlier process on this
+# machine measured (`kernel_choices`), read on first need.
 _kernel_choice: dict[tuple[int, int, int, int], str] = {}
+_UNREAD = object()
+# (the file this process read and adds its choices to, the machine it describes); None: turned off. Looked up once.
+_choices_file = _UNREAD
 _measuring_seconds = 0.0  # wall time spent measuring, left out of `step_clock`
 # id(weight) -> (the weight's version counter when packed, its packed copy); an entry goes with its weight.
 _packed_weights: dict[int, tuple[int, torch.Tensor]] = {}
@@ -64,9 +70,9 @@ def skinny_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     on a 2-core AMD EPYC the transposed product streamed the weights once where MKL's GEMM took 1.6-1.8x a one-row
     product for 2..16 rows; on a 2-core Intel Xeon with AVX-512 it was 1.1-2.8x SLOWER than `F.linear` for most
     shapes up to 4 rows, and there MKL took 3.3x its one-row time for an LM head's 8 rows where the packed product
-    took 1.3x. So each (weight shape, row count, thread count) is timed once per process, on its first input, the
-    kernels interleaved (`_measure`; row counts above 8 share a power-of-two bucket), and the fastest one is used from
-    then on. Same arithmetic, other summation order: results agree to float32 rounding, like any change of batch
+    took 1.3x. So each (weight shape, row count, thread count) is timed on its first input, the kernels interleaved
+    (`_measure`; row counts above 8 share a power-of-two bucket), and the fastest one is used from then on, also by
+    later processes on the same machine (`kernel_choices`). Same arithmetic, other summation order: results agree to float32 rounding, like any change of batch
     shape. Other devices, dtypes and row counts, and products that autograd must differentiate, take `F.linear`.
     """
     rows = input.numel() // input.shape[-1] if input.dim() > 0 and input.shape[-1] else 0
@@ -85,18 +91,32 @@ def kernel_for(
     weight: torch.Tensor, rows: int, input: torch.Tensor | None = None, cold: "ColdCopies | None" = None
 ) -> str:
     """The product that computes `rows` rows times this float32 CPU `weight` fastest with torch's thread count
-    ("linear", "transposed" or "packed"): the measured choice (measured now, on `input` or on random rows, if this is
-    the first such product; `cold`: the weight's copies to measure on, where several row counts are measured in a
-    row)."""
+    ("linear", "transposed" or "packed"): the measured choice (measured now, on `input` or on random rows, if neither
+    this process nor an earlier one on this machine has measured such a product; `cold`: the weight's copies to
+    measure on, where several row counts are measured in a row)."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or not 1 <= rows <= _MAX_ROWS:
         return "linear"
     bucket = rows if rows <= 8 else 1 << (rows - 1).bit_length()
     key = (weight.shape[0], weight.shape[1], bucket, torch.get_num_threads())
-    kernel = _kernel_choice.get(key)
+    kernel = _kernel_choice.get(key) or _remembered_choices().get(key)
     if kernel is None:
         flat = input.reshape(rows, -1) if input is not None else torch.randn(rows, weight.shape[1])
         kernel = _kernel_choice[key] = _measure(flat, weight, cold)
+        if _choices_file is not None:
+            save_choices(*_choices_file, {key: kernel})
     return kernel
+
+
+def _remembered_choices() -> dict[tuple[int, int, int, int], str]:
+    """`_kernel_choice`, with the choices of earlier processes on this machine added the first time it is asked."""
+    global _choices_file
+    if _choices_file is _UNREAD:
+        machine = describe_machine(packing_available())
+        path = choices_file(machine)
+        _choices_file = None if path is None else (path, machine)
+        for key, kernel in (load_choices(path) if path is not None else {}).items():
+            _kernel_choice.setdefault(key, kernel)
+    return _kernel_choice
 
 
 def transposed_linear(flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
