@@ -7,9 +7,9 @@ cache, which made a process's first generate() call about 1.5x as long as the ne
 run. So the choices are also written to a small JSON file, and a later process on the same machine starts from them.
 
 Where: `$DFLASH_KERNEL_CACHE` (a folder; `off` keeps the choices in memory only), else `$DFLASH_CACHE/kernels`, else
-`~/.cache/transformers_dflash/kernels`. One file per `describe_machine()`: what a choice depends on besides its key, the CPU
-(model and instruction-set flags), torch's version and whether its oneDNN packing works here, and `FORMAT`, raised
-whenever the measurement or its rule changes, so that older choices are not reused. A file that cannot be read or
+`~/.cache/transformers_dflash/kernels`. One file per `describe_machine()`: what a choice depends on besides its key,
+the CPU (model and instruction-set flags), torch's version and whether its oneDNN packing works here, and `FORMAT`,
+raised whenever the measurement or its rule changes, so that older choices are not reused. A file that cannot be read or
 written is passed over: the process measures, as it would without one. Delete the folder to measure afresh.
 """
 

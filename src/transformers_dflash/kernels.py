@@ -72,8 +72,8 @@ def skinny_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     shapes up to 4 rows, and there MKL took 3.3x its one-row time for an LM head's 8 rows where the packed product
     took 1.3x. So each (weight shape, row count, thread count) is timed on its first input, the kernels interleaved
     (`_measure`; row counts above 8 share a power-of-two bucket), and the fastest one is used from then on, also by
-    later processes on the same machine (`kernel_choices`). Same arithmetic, other summation order: results agree to float32 rounding, like any change of batch
-    shape. Other devices, dtypes and row counts, and products that autograd must differentiate, take `F.linear`.
+    later processes on the same machine (`kernel_choices`). Same arithmetic, other summation order: results agree
+    to float32 rounding, like any change of batch shape. Other devices, dtypes and row counts, and products that autograd must differentiate, take `F.linear`.
     """
     rows = input.numel() // input.shape[-1] if input.dim() > 0 and input.shape[-1] else 0
     if input.device.type != "cpu" or input.dtype != torch.float32:
