@@ -325,7 +325,9 @@ def _usage(config, metadata: CardMetadata, layout: str) -> str:
             "",
             f'target = AutoModelForCausalLM.from_pretrained("{target}", dtype="auto")',
             f'tokenizer = AutoTokenizer.from_pretrained("{target}")',
-            f'drafter = AutoModel.from_pretrained("{repo}", trust_remote_code=True, dtype="auto")',
+            # The target's dtype, not the drafter's stored one: a half-precision drafter next to a float32 target
+            # drafts slower on CPUs, and a float32 one next to a bfloat16 target on GPUs (README).
+            f'drafter = AutoModel.from_pretrained("{repo}", trust_remote_code=True, dtype=target.dtype)',
             "",
             'messages = [{"role": "user", "content": "Explain in a few sentences why the sky is blue."}]',
             'inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", '
