@@ -73,7 +73,8 @@ def skinny_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     took 1.3x. So each (weight shape, row count, thread count) is timed on its first input, the kernels interleaved
     (`_measure`; row counts above 8 share a power-of-two bucket), and the fastest one is used from then on, also by
     later processes on the same machine (`kernel_choices`). Same arithmetic, other summation order: results agree
-    to float32 rounding, like any change of batch shape. Other devices, dtypes and row counts, and products that autograd must differentiate, take `F.linear`.
+    to float32 rounding, like any change of batch shape. Other devices, dtypes and row counts, and products that
+    autograd must differentiate, take `F.linear`.
     """
     rows = input.numel() // input.shape[-1] if input.dim() > 0 and input.shape[-1] else 0
     if input.device.type != "cpu" or input.dtype != torch.float32:
@@ -98,6 +99,7 @@ def kernel_for(
         return "linear"
     bucket = rows if rows <= 8 else 1 << (rows - 1).bit_length()
     key = (weight.shape[0], weight.shape[1], bucket, torch.get_num_threads())
+    # Every product asks: the choices in memory first, the file only on a miss (it is read once per process).
     kernel = _kernel_choice.get(key) or _remembered_choices().get(key)
     if kernel is None:
         flat = input.reshape(rows, -1) if input is not None else torch.randn(rows, weight.shape[1])
