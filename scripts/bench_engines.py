@@ -6,12 +6,18 @@
 Every engine answers the same chat prompts (the first --num-prompts validation prompts: ShareGPT + composed), greedy.
 Engines run interleaved, --repeats rounds. Agreement is measured against the float32 target decoding each prompt alone
 (transformers generate(), batch 1: no padding), which is timed too: "identical" is the fraction of responses equal to
-it, "prefix tokens" the fraction of its tokens that come before the first difference.
+it, "prefix tokens" the fraction of its tokens that come before the first difference. With the reference skipped
+(`--skip reference`), agreement is measured against CTranslate2 float32, which gave the reference's answers on every
+prompt so far (docs/data-engines.md).
+
+The bfloat16 rows run the same engine on a bfloat16 copy of the target, once with the engine's reserved KV cache and
+once with transformers' own `DynamicCache` (what the engine used before), so the cache's gain is measured in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -22,10 +28,22 @@ from pathlib import Path
 import torch
 
 from transformers_dflash.data import load_prompts
-from transformers_dflash.data.engines import CTranslate2Engine, OpenAIEngine, TransformersEngine
+from transformers_dflash.data.engines import CTranslate2Engine, OpenAIEngine, TransformersEngine, transformers_engine
 from transformers_dflash.data.regeneration import _eos_ids, _pad_id
 from transformers_dflash.runtime import chat_token_ids
 from transformers_dflash.smollm2 import load_smollm2
+
+
+class DynamicCacheEngine(TransformersEngine):
+    """The transformers engine with transformers' own `DynamicCache` instead of the reserved one."""
+
+    def _generate_batch(self, prompts, config):
+        reserved = transformers_engine.reserved_kv_cache
+        transformers_engine.reserved_kv_cache = lambda *args: None  # generate() then makes its own cache
+        try:
+            return super()._generate_batch(prompts, config)
+        finally:
+            transformers_engine.reserved_kv_cache = reserved
 
 
 def build_engines(model, tokenizer, threads: int, server_url: str | None = None, concurrency: int = 16) -> dict:
@@ -43,6 +61,14 @@ def build_engines(model, tokenizer, threads: int, server_url: str | None = None,
             model, tokenizer, eos, compute_type="int8", batch_size=32, threads=threads
         ),
     }
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    for batch in (16, 64):
+        engines[f"transformers bfloat16, buckets of up to {batch}"] = TransformersEngine(
+            bf16, eos, pad, batch_size=batch
+        )
+    engines["transformers bfloat16, buckets of up to 64, transformers' DynamicCache"] = DynamicCacheEngine(
+        bf16, eos, pad, batch_size=64
+    )
     if server_url:  # e.g. llama.cpp's llama-server on the target's GGUF; its tokenizer is checked first
         server = OpenAIEngine(server_url, tokenizer, eos, concurrency=concurrency)
         server.check_server()
@@ -64,6 +90,9 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> tuple[flo
 def print_table(engines: dict, timings: dict, outputs: dict, rounds: int) -> None:
     first = next(iter(engines))
     reference = outputs[first][0] if "reference" in first else None
+    if reference is None and outputs.get("ctranslate2 float32, batch 32"):
+        reference = outputs["ctranslate2 float32, batch 32"][0]
+        print("(agreement against CTranslate2 float32: the batch-1 reference was skipped)")
     print(
         f"\nafter round {rounds}: load average {os.getloadavg()[0]:.2f} (2 cores; the machine is shared with other "
         "work)"

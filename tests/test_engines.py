@@ -107,6 +107,57 @@ def test_transformers_buckets_equal_per_prompt_generate(target, tokenizer):
     assert engine.settings() == {"name": "transformers", "dtype": "float32", "do_sample": False}
 
 
+def test_reserved_kv_cache_generates_as_the_default_cache_without_regrowing(target, tokenizer):
+    from transformers_dflash.data.engines.kv_cache import reserved_kv_cache
+    from transformers_dflash.target_model import cache_keyword
+
+    prompts = [chat_ids(tokenizer, p) for p in PROMPTS[:4]]
+    width = max(map(len, prompts))
+    input_ids = torch.full((len(prompts), width), tokenizer.pad_token_id)
+    mask = torch.zeros_like(input_ids)
+    for row, ids in enumerate(prompts):  # left padding, as the engine lays out a batch
+        input_ids[row, width - len(ids) :] = torch.tensor(ids)
+        mask[row, width - len(ids) :] = 1
+    settings = dict(attention_mask=mask, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False)
+    settings.update(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    cache = reserved_kv_cache(target, width + MAX_NEW)
+    with torch.no_grad():
+        expected = target.generate(input_ids, **settings)
+        got = target.generate(input_ids, **settings, **{cache_keyword(target): cache})
+    assert torch.equal(got, expected)
+    layers = [layer for layer in cache.layers if type(layer).__name__ == "ReservedDynamicLayer"]
+    assert len(layers) == target.config.num_hidden_layers
+    for layer in layers:  # every step wrote into the room reserved at the prefill
+        assert layer.keys.shape[-2] == width + MAX_NEW - 1
+        assert layer.keys.data_ptr() == layer._key_buffer.data_ptr() and layer._key_buffer.shape[-2] == width + MAX_NEW
+
+
+def test_reserved_kv_cache_layer_keeps_dynamic_layer_semantics():
+    """Beyond its room, after a crop or a batch selection, the layer holds what a plain `DynamicLayer` holds."""
+    from transformers.cache_utils import DynamicLayer
+
+    from transformers_dflash.data.engines.kv_cache import _reserved_layer_class
+
+    reserved, plain = _reserved_layer_class(DynamicLayer)(capacity=4), DynamicLayer()
+    generator = torch.Generator().manual_seed(0)
+
+    def step(tokens, batch=3):
+        keys, values = (torch.randn(batch, 2, tokens, 8, generator=generator) for _ in range(2))
+        got, want = reserved.update(keys, values), plain.update(keys, values)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+    step(3)
+    step(1)  # fills the room exactly
+    step(2)  # grows, keeping the first 4 positions
+    assert reserved.get_seq_length() == plain.get_seq_length() == 6
+    reserved.crop(-2), plain.crop(-2)
+    step(1)  # overwrites the cropped positions
+    indices = torch.tensor([2, 0])
+    reserved.batch_select_indices(indices), plain.batch_select_indices(indices)
+    step(2, batch=2)  # a new batch: copied into new buffers once
+    assert reserved.get_seq_length() == plain.get_seq_length() == 7
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # CTranslate2
 # ---------------------------------------------------------------------------------------------------------------------
@@ -587,3 +638,32 @@ def test_regenerate_pad_fraction_reaches_the_engine(target, tokenizer):
     # looser buckets: prompts of 40 and 10 tokens share a batch at 0.5, not at the default
     assert engines.length_buckets([40, 10], 64, 32, pad_fraction=0.5) == [[0, 1]]
     assert engines.length_buckets([40, 10], 64, 32, pad_fraction=engines.DEFAULT_PAD_FRACTION) == [[0], [1]]
+
+
+def test_regenerate_defaults_follow_fast_bfloat16(target, tokenizer, monkeypatch, tmp_path):
+    """--dtype auto is bfloat16 on a CPU with AMX and float32 elsewhere; a bfloat16 target on a CPU batches 64."""
+    import copy
+
+    from transformers_dflash.data import arguments
+
+    parser = data.add_regenerate_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--target", "t", "--out", "o"])
+    assert arguments.build_engine(args, target, tokenizer, None).batch_size == 16  # float32
+    bf16 = copy.deepcopy(target).to(torch.bfloat16)
+    assert arguments.build_engine(args, bf16, tokenizer, None).batch_size == 64
+    args = parser.parse_args(["--target", "t", "--out", "o", "--batch-size", "8"])
+    assert arguments.build_engine(args, bf16, tokenizer, None).batch_size == 8
+
+    loaded = []
+
+    def fake_load_target(spec, tokenizer_path, device, dtype):
+        loaded.append(dtype)
+        raise SystemExit(0)  # the dtype is all this test needs
+
+    monkeypatch.setattr(arguments, "_load_target", fake_load_target, raising=True)
+    for fast, dtype in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(arguments, "bfloat16_is_fast", lambda device, fast=fast: fast)
+        with pytest.raises(SystemExit):
+            options = ["--target", "t", "--out", str(tmp_path), "--device", "cpu", "--no-sharegpt", "--limit", "2"]
+            data.run_regenerate(parser.parse_args(options))
+        assert loaded[-1] == dtype

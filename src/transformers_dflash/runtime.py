@@ -1,5 +1,5 @@
-"""Helpers that the command line and the benchmarks share: device synchronisation, the default thread count, chat
-encoding, the `--chat-template-kwargs` option of `dflash demo` / `bench` / `regenerate`, and the drafter to run (a
+"""Helpers that the command line and the benchmarks share: device synchronisation, the default thread count, whether
+bfloat16 is fast on a device, chat encoding, the `--chat-template-kwargs` option of `dflash demo` / `bench` / `regenerate`, and the drafter to run (a
 folder, else the shipped SmolLM2 drafter, else an untrained one).
 
 torch and the core are imported inside the functions, so importing this module (as `dflash --help` does) is instant.
@@ -29,6 +29,28 @@ def default_threads() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def bfloat16_is_fast(device) -> bool:
+    """Whether bfloat16 matrix products run at full speed on `device`: a CUDA GPU that supports bfloat16, or a CPU
+    with AMX tiles (Intel Sapphire Rapids and later). Other CPUs emulate bfloat16 at a cost.
+
+    It picks the data commands' defaults: the target's dtype when `dflash regenerate` writes answers and autocast when
+    `dflash train` trains a drafter (measured on a 2-core AMX Xeon: docs/data-engines.md, docs/training.md).
+    """
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return False
+    # A private torch function (2.1 and later): absent or failing, assume no AMX, the slower default being the safe one.
+    amx_tiles = getattr(getattr(torch, "cpu", None), "_is_amx_tile_supported", None)
+    try:
+        return bool(amx_tiles()) if amx_tiles is not None else False
+    except Exception:
+        return False
 
 
 CHAT_TEMPLATE_KWARGS_EXAMPLE = """--chat-template-kwargs '{"enable_thinking": false}'"""

@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ...target_model import cache_keyword
 from .base import DEFAULT_PAD_FRACTION, OnBatch, generate_in_buckets, model_dtype, response_ids
+from .kv_cache import reserved_kv_cache
 
 
 class TransformersEngine:
@@ -80,9 +82,15 @@ class TransformersEngine:
         for row, ids in enumerate(prompts):
             input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
             attention_mask[row, width - len(ids) :] = 1
+        # The default cache would copy itself at every step; this one fills room for prompt + new tokens.
+        cache = reserved_kv_cache(self.model, width + config.max_new_tokens)
+        cache_kwargs = {} if cache is None else {cache_keyword(self.model): cache}
         with torch.inference_mode():
             out = self.model.generate(
-                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                generation_config=config,
+                **cache_kwargs,
             )
         sequences = getattr(out, "sequences", out)
         return [response_ids(row, self.eos_token_ids, config.max_new_tokens) for row in sequences[:, width:].tolist()]
