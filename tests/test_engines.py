@@ -131,6 +131,28 @@ def test_reserved_kv_cache_generates_as_the_default_cache_without_regrowing(targ
         assert layer.keys.shape[-2] == width + MAX_NEW - 1
         assert layer.keys.data_ptr() == layer._key_buffer.data_ptr() and layer._key_buffer.shape[-2] == width + MAX_NEW
 
+    # the engine passes it, except where the generation config names a cache of its own
+    from transformers import GenerationConfig
+
+    passed = []
+    original = target.generate
+
+    def recording_generate(*args, **kwargs):
+        passed.append(cache_keyword(target) in kwargs)
+        return original(*args, **kwargs)
+
+    target.generate = recording_generate
+    try:
+        for named in (None, "static"):
+            config = GenerationConfig(do_sample=False, cache_implementation=named)
+            engine = engines.TransformersEngine(
+                target, [tokenizer.eos_token_id], tokenizer.pad_token_id, generation_config=config
+            )
+            engine.generate(prompts[:1], 2)
+    finally:
+        del target.generate
+    assert passed == [True, False]
+
 
 def test_reserved_kv_cache_layer_keeps_dynamic_layer_semantics():
     """Beyond its room, after a crop or a batch selection, the layer holds what a plain `DynamicLayer` holds."""

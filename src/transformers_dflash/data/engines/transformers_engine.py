@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ...state_rollback import has_recurrent_state
 from ...target_model import cache_keyword
 from .base import DEFAULT_PAD_FRACTION, OnBatch, generate_in_buckets, model_dtype, response_ids
 from .kv_cache import reserved_kv_cache
@@ -82,8 +83,11 @@ class TransformersEngine:
         for row, ids in enumerate(prompts):
             input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
             attention_mask[row, width - len(ids) :] = 1
-        # The default cache would copy itself at every step; this one fills room for prompt + new tokens.
-        cache = reserved_kv_cache(self.model, width + config.max_new_tokens)
+        # The default cache would copy itself at every step; this one fills room for prompt + new tokens. A cache the
+        # generation config asks for by name, or a hybrid target's own, is left to generate().
+        cache = None
+        if not getattr(config, "cache_implementation", None) and not has_recurrent_state(self.model):
+            cache = reserved_kv_cache(self.model, width + config.max_new_tokens)
         cache_kwargs = {} if cache is None else {cache_keyword(self.model): cache}
         with torch.inference_mode():
             out = self.model.generate(
