@@ -543,6 +543,49 @@ def test_checkpoint_resume_is_exact(tmp_path):
     assert losses_a[3] == losses_b[3] and losses_a[4] == losses_b[4]
 
 
+def test_auto_mixed_precision_is_bf16_where_bfloat16_is_fast(tmp_path, monkeypatch):
+    from transformers_dflash.training import loop
+
+    for fast, expected in ((True, "bf16"), (False, "no")):
+        monkeypatch.setattr(loop, "bfloat16_is_fast", lambda device, fast=fast: fast)
+        assert loop.autocast_precision("auto") == expected
+    assert loop.autocast_precision("no") == "no" and loop.autocast_precision("fp16") == "fp16"
+    # both run on a CPU (bf16 autocast works there too); the log says which one trained
+    from accelerate.state import AcceleratorState
+
+    target = tiny_target()
+    write_shards(tmp_path / "data", target)
+    try:
+        for fast, expected in ((True, "bf16"), (False, "no")):
+            # accelerate keeps one precision per process: reset it (a private accelerate call, tests only)
+            AcceleratorState._reset_state(reset_partial_state=True)
+            monkeypatch.setattr(loop, "bfloat16_is_fast", lambda device, fast=fast: fast)
+            out = tmp_path / expected
+            config = small_config(tmp_path, tmp_path / "data", out, max_steps=2, save_every=100)
+            summary = train(config, target=target)
+            start = read_log(out)[0]
+            assert start["config"]["mixed_precision"] == "auto" and start["mixed_precision"] == expected
+            assert summary["step"] == 2 and all(math.isfinite(r["loss"]) for r in read_log(out) if "loss" in r)
+    finally:  # the next test's train() picks its own precision again
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_bfloat16_is_fast_on_cpus_with_amx_only(monkeypatch):
+    from transformers_dflash.runtime import bfloat16_is_fast
+
+    for amx in (True, False):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx, raising=False)
+        assert bfloat16_is_fast("cpu") is amx
+
+    def unreadable():
+        raise RuntimeError("cpuinfo failed")
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", unreadable, raising=False)
+    assert bfloat16_is_fast("cpu") is False  # the float32 default, slower but safe
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
+    assert bfloat16_is_fast(torch.device("cpu")) is False and bfloat16_is_fast("meta") is False
+
+
 def test_training_validates_by_replay_on_held_out_features(tmp_path):
     target = tiny_target()
     write_shards(tmp_path / "data", target)

@@ -88,7 +88,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     )
     parser.add_argument("--grad-clip", type=float, default=d.grad_clip, help="gradient norm clipping")
     parser.add_argument(
-        "--mixed-precision", choices=["no", "bf16", "fp16"], default=d.mixed_precision, help="autocast on GPU"
+        "--mixed-precision",
+        choices=["auto", "no", "bf16", "fp16"],
+        default=d.mixed_precision,
+        help="autocast of the drafter's forward and loss, its weights staying float32; auto: bf16 on a GPU that has "
+        "it and on a CPU with AMX, else no",
     )
     parser.add_argument(
         "--target-dtype",
