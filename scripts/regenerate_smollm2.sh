@@ -15,8 +15,8 @@
 # Progress: one line per finished shard in $LOG, and $OUT/manifest.json (shards_done, totals).
 #
 # Engines (docs/data-engines.md): transformers = the target's generate() in bfloat16, batches of up to 64 prompts of
-# similar length, with a KV cache that does not copy itself at every step: 2.5x llama.cpp's server on a 2-core AMX
-# Xeon, where llama.cpp runs without AMX (scripts/llama_server_smollm2.sh); on CPUs without AMX bfloat16 is slow.
+# similar length, with a KV cache that does not copy itself at every step: 353 response tokens/s on a 2-core AMX Xeon,
+# where llama.cpp's server (built without AMX, scripts/llama_server_smollm2.sh) gave 144; without AMX bfloat16 is slow.
 # llamacpp = llama.cpp's server on the target's Q4_1 GGUF
 # (scripts/llama_server_smollm2.sh, started here when it is not running), measured 2.5-2.9x CTranslate2 float32 on
 # this CPU; its tokens are the target's own choice 98 % of the time and `dflash train`'s target labels mend the rest.

@@ -1,6 +1,6 @@
 """Helpers that the command line and the benchmarks share: device synchronisation, the default thread count, whether
-bfloat16 is fast on a device, chat encoding, the `--chat-template-kwargs` option of `dflash demo` / `bench` / `regenerate`, and the drafter to run (a
-folder, else the shipped SmolLM2 drafter, else an untrained one).
+bfloat16 is fast on a device, chat encoding, the `--chat-template-kwargs` option of `dflash demo` / `bench` /
+`regenerate`, and the drafter to run (a folder, else the shipped SmolLM2 drafter, else an untrained one).
 
 torch and the core are imported inside the functions, so importing this module (as `dflash --help` does) is instant.
 """
