@@ -80,8 +80,8 @@ def target_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def autocast_precision(name: str) -> str:
     """The `Accelerator` mixed precision for `TrainingConfig.mixed_precision`: "auto" is "bf16" where bfloat16 is fast
-    on the device accelerate will pick (a CUDA GPU with bfloat16, a CPU with AMX: 1.6x the float32 step there,
-    docs/training.md), else "no"."""
+    on the device accelerate will pick (a CUDA GPU with bfloat16, a CPU with AMX, where it trained faster to the same
+    held-out tau: docs/training.md), else "no"."""
     if name != "auto":
         return name
     return "bf16" if bfloat16_is_fast("cuda" if torch.cuda.is_available() else "cpu") else "no"

@@ -1,10 +1,9 @@
 """A KV cache for batched `generate()` that writes new keys and values into room reserved up front.
 
 transformers' `DynamicLayer` grows by `torch.cat`, which copies a layer's whole cache at every decoding step. For one
-sequence that is cheap; for the regeneration engine's batches it is not: a bfloat16 SmolLM2-135M step of 64 rows at
-300 cached tokens took 293 ms on a 2-core CPU, 63 % of it in `cat`, and 135 ms with this cache (docs/data-engines.md).
-The keys and values seen by attention are the same tensors either way (views of a longer buffer here), so the
-outputs are identical.
+sequence that is cheap; for the regeneration engine's batches it dominated a bfloat16 step on a CPU (profile and
+timings: docs/data-engines.md). The keys and values seen by attention are the same tensors either way (views of a
+longer buffer here), so the outputs are identical.
 """
 
 from __future__ import annotations
