@@ -38,6 +38,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help="fine-tune this trained drafter (its folder) instead of starting from random weights; it keeps its "
         "shape and draft vocabulary, so the shape options below can be left out (default: train from scratch)",
     )
+    parser.add_argument(
+        "--init-from-target",
+        action="store_true",
+        help="start a new drafter's layers from the target's last layers (and its final norm) instead of random "
+        "weights, with fc reading the deepest target feature; Llama / Qwen-style targets (docs/training.md)",
+    )
     parser.add_argument("--num-layers", type=int, default=None, help=f"drafter layers (default: {shape['num_layers']})")
     parser.add_argument(
         "--block-size",

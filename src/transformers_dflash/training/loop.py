@@ -18,6 +18,7 @@ from ..target_model import check_drafter_fits_target
 from .batches import draft_vocabulary, iter_training_examples, training_batches, training_shards, validation_prompts
 from .features import check_cached_features, check_replay_features, shard_sizes
 from .loss import check_label_rule, dflash_loss
+from .target_init import init_from_target_layers
 from .validation import evaluate_acceptance_length, replay_acceptance
 
 # The shape of a drafter trained from scratch, where TrainingConfig leaves it unset.
@@ -42,6 +43,7 @@ class TrainingConfig:
     num_target_features: int | None = None
     draft_vocab_size: int | None = None  # reduced draft vocabulary: the most frequent response tokens of the data
     init_drafter: str | None = None  # start from this trained drafter's weights (a folder) instead of random ones
+    init_from_target: bool = False  # start a new drafter's layers from the target's last layers (target_init.py)
     # loss
     num_anchors: int = 512
     gamma: float | None = None
@@ -217,6 +219,10 @@ def train(config: TrainingConfig, target: nn.Module | None = None) -> dict:
     if checkpoint is not None:
         drafter = DFlashDraftModel.from_pretrained(checkpoint, dtype=torch.float32)
     elif config.init_drafter is not None:
+        if config.init_from_target:
+            raise ValueError(
+                "--init-drafter and --init-from-target both say where the weights start: keep one of them."
+            )
         drafter = load_init_drafter(config, target)
     else:
         shape = {
@@ -235,6 +241,9 @@ def train(config: TrainingConfig, target: nn.Module | None = None) -> dict:
             drafter.set_draft_vocabulary(
                 draft_vocabulary(config.data, c.draft_vocab_size, c.vocab_size, exclude=[c.mask_token_id])
             )
+        if config.init_from_target:
+            first = next(iter_training_examples(config.data))["input_ids"][: config.max_length]
+            init_from_target_layers(drafter, target, first.unsqueeze(0))
     check_label_rule(config.labels)
     for folder, _ in folders:
         check_cached_features(folder, drafter.config.target_layer_ids, config.labels, config.kl_weight)
