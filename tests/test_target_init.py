@@ -73,8 +73,10 @@ def test_targets_whose_layers_differ_are_refused():
     gemma = Gemma2ForCausalLM(config).eval()
     drafter = DFlashDraftModel.from_target(gemma, num_layers=1, block_size=4, target_layer_ids=[0])
     # Gemma 2 has extra norms around its MLP and scales its norms by 1 + weight: refused, not half-copied
+    before = {name: value.clone() for name, value in drafter.state_dict().items()}
     with pytest.raises(ValueError, match="--init-from-target: .*Train from random weights"):
         init_from_target_layers(drafter, gemma, torch.randint(3, 96, (1, 8)))
+    assert all(torch.equal(value, before[name]) for name, value in drafter.state_dict().items())
 
     target = tiny_target(num_layers=2)
     drafter = DFlashDraftModel.from_target(target, num_layers=3, block_size=4, target_layer_ids=[0])

@@ -60,22 +60,33 @@ def init_from_target_layers(drafter: DFlashDraftModel, target: nn.Module, calibr
         raise _fail(target, f"the drafter has {num_copied} layers and the target only {len(layers)}")
     sources = list(range(len(layers) - num_copied, len(layers)))
     eps = config.rms_norm_eps
-    device = next(target.parameters()).device
+    calibrated = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")  # when the target has none
+    # Check everything before changing anything, so that a refused target leaves the drafter as it was.
+    for drafter_layer, source in zip(drafter.layers, sources):
+        theirs = layers[source].state_dict()
+        for name, param in drafter_layer.state_dict().items():
+            if name in calibrated and name not in theirs:
+                continue
+            if name not in theirs or theirs[name].shape != param.shape:
+                found = "missing" if name not in theirs else f"shaped {tuple(theirs[name].shape)}"
+                raise _fail(target, f"its layer {source} has no `{name}` of shape {tuple(param.shape)} ({found})")
+        for norm_name in ("input_layernorm", "post_attention_layernorm"):
+            _check_plain_rms_norm(target, getattr(layers[source], norm_name), eps, f"layer {source}'s {norm_name}")
+    final_norm = getattr(decoder, "norm", None)
+    if final_norm is None:
+        raise _fail(target, "its decoder has no final `norm`")
+    _check_plain_rms_norm(target, final_norm, eps, "final norm")
+
     hidden_states = None
     for drafter_layer, source in zip(drafter.layers, sources):
         theirs = layers[source].state_dict()
         for name, param in drafter_layer.state_dict().items():
-            if name in ("self_attn.q_norm.weight", "self_attn.k_norm.weight") and name not in theirs:
-                continue  # calibrated below
-            if name not in theirs or theirs[name].shape != param.shape:
-                found = "missing" if name not in theirs else f"shaped {tuple(theirs[name].shape)}"
-                raise _fail(target, f"its layer {source} has no `{name}` of shape {tuple(param.shape)} ({found})")
-            param.copy_(theirs[name])
-        for norm_name in ("input_layernorm", "post_attention_layernorm"):
-            _check_plain_rms_norm(target, getattr(layers[source], norm_name), eps, f"layer {source}'s {norm_name}")
-        if "self_attn.q_norm.weight" in theirs:
+            if name in theirs:
+                param.copy_(theirs[name])
+        if calibrated[0] in theirs:
             continue
         if hidden_states is None:
+            device = next(target.parameters()).device
             outputs = decoder(input_ids=calibration_ids.to(device), output_hidden_states=True, use_cache=False)
             hidden_states = outputs.hidden_states
         attention, hidden = layers[source].self_attn, hidden_states[source]  # the input of layer `source`
@@ -83,10 +94,6 @@ def init_from_target_layers(drafter: DFlashDraftModel, target: nn.Module, calibr
         drafter_layer.self_attn.q_norm.weight.fill_(_head_rms(attention.q_proj, norm, hidden, config.head_dim))
         drafter_layer.self_attn.k_norm.weight.fill_(_head_rms(attention.k_proj, norm, hidden, config.head_dim))
 
-    final_norm = getattr(decoder, "norm", None)
-    if final_norm is None:
-        raise _fail(target, "its decoder has no final `norm`")
-    _check_plain_rms_norm(target, final_norm, eps, "final norm")
     drafter.norm.weight.copy_(final_norm.weight)
     drafter.hidden_norm.weight.copy_(layers[sources[0]].input_layernorm.weight)
     # fc: the identity on the deepest target feature, zero on the others (training spreads it from there).
