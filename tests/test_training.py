@@ -199,16 +199,24 @@ def test_packed_blocks_equal_blocks_alone(attn_implementation):
 
 
 def test_training_features_match_inference_features():
-    """hidden_states[i + 1] (training) equals what the decoding hooks capture, last layer included."""
+    """Training's features and the decoding hooks' are transformers' hidden_states[i + 1], last layer included, and
+    the features pass leaves no hook on the target."""
     target = tiny_target()
     drafter = tiny_drafter(target, target_layer_ids=(0, 2, 3))
     input_ids = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden_states = target(input_ids, output_hidden_states=True).hidden_states
+    expected = torch.cat([hidden_states[i + 1] for i in (0, 2, 3)], dim=-1)
+    layers = target.get_decoder().layers
+    hooks_before = [len(layer._forward_hooks) for layer in layers]
+    torch.testing.assert_close(target_context_features(target, input_ids, [0, 2, 3]), expected)
+    assert [len(layer._forward_hooks) for layer in layers] == hooks_before
     generator = DFlashCandidateGenerator(drafter, target)
     with torch.no_grad():
         target(input_ids)
     captured = generator.captured_features()
     generator.close()
-    torch.testing.assert_close(target_context_features(target, input_ids, [0, 2, 3]), captured)
+    torch.testing.assert_close(captured, expected)
 
 
 def test_dflash_loss_matches_reference_and_offline_features():

@@ -1,6 +1,5 @@
 """`DFlashCandidateGenerator`: drafts a block per step from the target's own hidden states (part of the carried core)."""
 
-import functools
 import logging
 import weakref
 
@@ -13,7 +12,7 @@ from .draft_length import AutoDraftLength, draft_length_policy
 from .kernels import skinny_linear
 from .modeling_dflash import DFlashDrafterCache
 from .ngram_lookup import ngram_lookup_for
-from .target_model import decoder_layers
+from .target_model import feature_modules, keep_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -63,14 +62,9 @@ class DFlashCandidateGenerator(CandidateGenerator):
         _warn_slow_cpu_dtype(self.drafter_dtype, self.head.weight.dtype, self.drafter_device)
         self.num_captured_valid = 0
 
-        # Forward hooks keep the chosen layers' outputs. hidden_states[i + 1] in transformers is the output of layer
-        # i, except for the last layer, whose entry is the final-normed output: hook the norm there.
-        decoder, layers = decoder_layers(target)
+        # Forward hooks keep the chosen layers' outputs (the target's hidden_states[i + 1]) at every target forward.
         self._captured: list[torch.Tensor | None] = [None] * len(self.config.target_layer_ids)
-        handles = []
-        for slot, layer_id in enumerate(self.config.target_layer_ids):
-            module = decoder.norm if layer_id == len(layers) - 1 and hasattr(decoder, "norm") else layers[layer_id]
-            handles.append(module.register_forward_hook(functools.partial(_capture_output, self._captured, slot)))
+        handles = keep_outputs(feature_modules(target, self.config.target_layer_ids), self._captured)
         # The hooks close over the list, not over self, so they go away as soon as the generator does.
         self._finalizer = weakref.finalize(self, _remove_hooks, handles)
         self.drafter.last_acceptance_lengths = []
@@ -222,10 +216,6 @@ def _warn_slow_cpu_dtype(drafter_dtype: torch.dtype, target_dtype: torch.dtype, 
         "target's dtype, e.g. AutoModel.from_pretrained(path, trust_remote_code=True, dtype=target.dtype).",
         str(drafter_dtype).replace("torch.", ""),
     )
-
-
-def _capture_output(store: list, slot: int, module, args, output):
-    store[slot] = output[0] if isinstance(output, tuple) else output
 
 
 def _remove_hooks(handles):

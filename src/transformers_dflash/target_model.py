@@ -5,6 +5,7 @@ sliding-window layers, a fresh cache that can be cropped after rejected drafts, 
 which image / video inputs of a prompt it takes (`check_media_inputs`, `prompt_inputs`).
 """
 
+import functools
 import inspect
 
 from torch import nn
@@ -22,6 +23,28 @@ def decoder_layers(target: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
             "decoder-only transformers model (Llama, Qwen2/3, Mistral, Gemma, ...) loaded with AutoModelForCausalLM."
         )
     return decoder, layers
+
+
+def feature_modules(target: nn.Module, layer_ids) -> list[nn.Module]:
+    """The modules whose outputs are the drafter's context features: transformers' `hidden_states[i + 1]` for i in
+    `layer_ids` is the output of decoder layer i, except for the last layer, whose entry is the final-normed output
+    (so the final norm there). Hooking these keeps 5 layers' outputs where `output_hidden_states=True` keeps all."""
+    decoder, layers = decoder_layers(target)
+    last = len(layers) - 1
+    return [decoder.norm if i == last and hasattr(decoder, "norm") else layers[i] for i in layer_ids]
+
+
+def keep_outputs(modules: list[nn.Module], store: list) -> list:
+    """Forward hooks that put each module's output in `store[slot]` at every forward; returns their handles (the
+    caller removes them)."""
+    return [
+        module.register_forward_hook(functools.partial(_keep_output, store, slot))
+        for slot, module in enumerate(modules)
+    ]
+
+
+def _keep_output(store: list, slot: int, module, args, output):
+    store[slot] = output[0] if isinstance(output, tuple) else output
 
 
 def check_drafter_fits_target(drafter: nn.Module, target: nn.Module) -> None:

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..configuration_dflash import text_config
 from ..data import disk_full_error, list_shards, load_shard, read_manifest, write_atomically
+from ..target_model import feature_modules, keep_outputs
 from .batches import collate
 
 FEATURES_INFO = "features.json"
@@ -238,10 +239,16 @@ def target_features_and_choices(
     The LM head runs `chunk` positions at a time, so the `[b, S, vocab]` logits never exist at once. Softcapping and
     logit scales that some targets apply after the head are monotonic, so the argmax of the head is theirs.
     """
-    outputs = target.get_decoder()(
-        input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False
-    )
-    features = torch.cat([outputs.hidden_states[i + 1] for i in layer_ids], dim=-1)
+    # The decoding loop's hooks, not output_hidden_states: the same tensors (so training sees what decoding will),
+    # and only the chosen layers' outputs are kept, not all of them.
+    captured = [None] * len(layer_ids)
+    handles = keep_outputs(feature_modules(target, layer_ids), captured)
+    try:
+        outputs = target.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    features = torch.cat(captured, dim=-1)
     if not choices and not top_k:
         return features, None, None
     head = target.get_output_embeddings()
