@@ -28,7 +28,8 @@ def decoder_layers(target: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
 def feature_modules(target: nn.Module, layer_ids) -> list[nn.Module]:
     """The modules whose outputs are the drafter's context features: transformers' `hidden_states[i + 1]` for i in
     `layer_ids` is the output of decoder layer i, except for the last layer, whose entry is the final-normed output
-    (so the final norm there). Hooking these keeps 5 layers' outputs where `output_hidden_states=True` keeps all."""
+    (so the final norm there). Hooking these keeps only their outputs, where `output_hidden_states=True` keeps every
+    layer's."""
     decoder, layers = decoder_layers(target)
     last = len(layers) - 1
     return [decoder.norm if i == last and hasattr(decoder, "norm") else layers[i] for i in layer_ids]
