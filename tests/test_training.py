@@ -207,10 +207,9 @@ def test_training_features_match_inference_features():
     with torch.no_grad():
         hidden_states = target(input_ids, output_hidden_states=True).hidden_states
     expected = torch.cat([hidden_states[i + 1] for i in (0, 2, 3)], dim=-1)
-    layers = target.get_decoder().layers
-    hooks_before = [len(layer._forward_hooks) for layer in layers]
+    hooks_before = [len(module._forward_hooks) for module in target.modules()]  # layers and the final norm
     torch.testing.assert_close(target_context_features(target, input_ids, [0, 2, 3]), expected)
-    assert [len(layer._forward_hooks) for layer in layers] == hooks_before
+    assert [len(module._forward_hooks) for module in target.modules()] == hooks_before
     generator = DFlashCandidateGenerator(drafter, target)
     with torch.no_grad():
         target(input_ids)

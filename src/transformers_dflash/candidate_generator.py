@@ -12,7 +12,7 @@ from .draft_length import AutoDraftLength, draft_length_policy
 from .kernels import skinny_linear
 from .modeling_dflash import DFlashDrafterCache
 from .ngram_lookup import ngram_lookup_for
-from .target_model import feature_modules, keep_outputs
+from .target_model import feature_modules, keep_outputs, remove_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self._captured: list[torch.Tensor | None] = [None] * len(self.config.target_layer_ids)
         handles = keep_outputs(feature_modules(target, self.config.target_layer_ids), self._captured)
         # The hooks close over the list, not over self, so they go away as soon as the generator does.
-        self._finalizer = weakref.finalize(self, _remove_hooks, handles)
+        self._finalizer = weakref.finalize(self, remove_hooks, handles)
         self.drafter.last_acceptance_lengths = []
 
     def _resume(self, memory: dict | None, device: torch.device, batch_size: int) -> None:
@@ -216,8 +216,3 @@ def _warn_slow_cpu_dtype(drafter_dtype: torch.dtype, target_dtype: torch.dtype, 
         "target's dtype, e.g. AutoModel.from_pretrained(path, trust_remote_code=True, dtype=target.dtype).",
         str(drafter_dtype).replace("torch.", ""),
     )
-
-
-def _remove_hooks(handles):
-    for handle in handles:
-        handle.remove()

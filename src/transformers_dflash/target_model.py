@@ -37,7 +37,7 @@ def feature_modules(target: nn.Module, layer_ids) -> list[nn.Module]:
 
 def keep_outputs(modules: list[nn.Module], store: list) -> list:
     """Forward hooks that put each module's output in `store[slot]` at every forward; returns their handles (the
-    caller removes them)."""
+    caller removes them with `remove_hooks`)."""
     return [
         module.register_forward_hook(functools.partial(_keep_output, store, slot))
         for slot, module in enumerate(modules)
@@ -46,6 +46,11 @@ def keep_outputs(modules: list[nn.Module], store: list) -> list:
 
 def _keep_output(store: list, slot: int, module, args, output):
     store[slot] = output[0] if isinstance(output, tuple) else output
+
+
+def remove_hooks(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def check_drafter_fits_target(drafter: nn.Module, target: nn.Module) -> None:

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..configuration_dflash import text_config
 from ..data import disk_full_error, list_shards, load_shard, read_manifest, write_atomically
-from ..target_model import feature_modules, keep_outputs
+from ..target_model import feature_modules, keep_outputs, remove_hooks
 from .batches import collate
 
 FEATURES_INFO = "features.json"
@@ -246,8 +246,7 @@ def target_features_and_choices(
     try:
         outputs = target.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     finally:
-        for handle in handles:
-            handle.remove()
+        remove_hooks(handles)
     features = torch.cat(captured, dim=-1)
     if not choices and not top_k:
         return features, None, None
