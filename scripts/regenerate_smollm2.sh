@@ -5,8 +5,8 @@
 #
 # Usage: bash scripts/regenerate_smollm2.sh   (starts it in the background, prints the PID; the first llamacpp start
 #   waits for llama-server to build)
-# Settings (environment): ENGINE (transformers, llamacpp or ctranslate2; default: transformers on a CPU with AMX,
-#   else llamacpp), OUT, LOG, PYTHON, THREADS, COMPUTE_TYPE, NUM_COMPOSED,
+# Settings (environment): ENGINE (transformers, llamacpp or ctranslate2; default: transformers on a CPU with AMX or
+#   AVX512-BF16, else llamacpp), OUT, LOG, PYTHON, THREADS, COMPUTE_TYPE, NUM_COMPOSED,
 #   SHARD_SIZE (prompts per shard: the unit of resuming, so an interruption loses at most one shard's answers; 64, and
 #   512 for the transformers engine, whose batches are length buckets within a shard),
 #   SKIP_PROMPTS (leave out the first N prompts: another run answered them), PORT (llama.cpp's server),
@@ -16,7 +16,8 @@
 #
 # Engines (docs/data-engines.md): transformers = the target's generate() in bfloat16, batches of up to 64 prompts of
 # similar length, with a KV cache that does not copy itself at every step: 353 response tokens/s on a 2-core AMX Xeon,
-# where llama.cpp's server (built without AMX, scripts/llama_server_smollm2.sh) gave 144; without AMX bfloat16 is slow.
+# where llama.cpp's server (built without AMX, scripts/llama_server_smollm2.sh) gave 144, and 259 on a 2-core EPYC with
+# AVX512-BF16, where it gave 179; on CPUs with neither, bfloat16 is emulated and slow.
 # llamacpp = llama.cpp's server on the target's Q4_1 GGUF
 # (scripts/llama_server_smollm2.sh, started here when it is not running), measured 2.5-2.9x CTranslate2 float32 on
 # this CPU; its tokens are the target's own choice 98 % of the time and `dflash train`'s target labels mend the rest.
@@ -69,8 +70,8 @@ case "$engine" in
       --engine openai --server-url "$url" --concurrency 16 --request-timeout 3600 >>"$log" 2>&1 &
     ;;
   transformers)
-    # bfloat16: on a CPU with AMX several times float32 (docs/data-engines.md); `dflash train`'s target labels mend
-    # the tokens where its answers leave the float32 target's greedy path.
+    # bfloat16: on a CPU with AMX or AVX512-BF16 several times float32 (docs/data-engines.md); `dflash train`'s target
+    # labels mend the tokens where its answers leave the float32 target's greedy path.
     nohup nice -n 19 "$python" -m transformers_dflash.cli regenerate "${common[@]}" \
       --engine transformers --dtype bfloat16 --batch-size 64 --threads "$threads" >>"$log" 2>&1 &
     ;;

@@ -2,6 +2,7 @@
 
 import argparse
 import io
+import itertools
 import json
 import math
 import shutil
@@ -577,19 +578,25 @@ def test_auto_mixed_precision_is_bf16_where_bfloat16_is_fast(tmp_path, monkeypat
         AcceleratorState._reset_state(reset_partial_state=True)
 
 
-def test_bfloat16_is_fast_on_cpus_with_amx_only(monkeypatch):
+def test_bfloat16_is_fast_on_cpus_with_amx_or_avx512_bf16(monkeypatch):
     from transformers_dflash.runtime import bfloat16_is_fast
 
-    for amx in (True, False):
-        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx, raising=False)
-        assert bfloat16_is_fast("cpu") is amx
+    checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    for amx, avx512_bf16 in itertools.product((True, False), repeat=2):
+        for check, supported in zip(checks, (amx, avx512_bf16)):
+            monkeypatch.setattr(torch.cpu, check, lambda supported=supported: supported, raising=False)
+        assert bfloat16_is_fast("cpu") is (amx or avx512_bf16)
 
     def unreadable():
         raise RuntimeError("cpuinfo failed")
 
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", unreadable, raising=False)
+    for check in checks:  # one check failing leaves the other's answer
+        monkeypatch.setattr(torch.cpu, check, unreadable, raising=False)
     assert bfloat16_is_fast("cpu") is False  # the float32 default, slower but safe
-    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
+    monkeypatch.setattr(torch.cpu, checks[1], lambda: True, raising=False)
+    assert bfloat16_is_fast("cpu") is True
+    for check in checks:
+        monkeypatch.delattr(torch.cpu, check, raising=False)
     assert bfloat16_is_fast(torch.device("cpu")) is False and bfloat16_is_fast("meta") is False
 
 

@@ -33,10 +33,12 @@ def default_threads() -> int:
 
 def bfloat16_is_fast(device) -> bool:
     """Whether bfloat16 matrix products run at full speed on `device`: a CUDA GPU that supports bfloat16, or a CPU
-    with AMX tiles (Intel Sapphire Rapids and later). Other CPUs emulate bfloat16 at a cost.
+    with bfloat16 instructions: AMX tiles (Intel Sapphire Rapids and later) or AVX512-BF16 (AMD Zen 4 and later,
+    Intel Cooper Lake). Other CPUs emulate bfloat16 at a cost.
 
     It picks the data commands' defaults: the target's dtype when `dflash regenerate` writes answers and autocast when
-    `dflash train` trains a drafter (measured on a 2-core AMX Xeon: docs/data-engines.md, docs/training.md).
+    `dflash train` trains a drafter (measured on a 2-core AMX Xeon and a 2-core AVX512-BF16 EPYC: docs/data-engines.md,
+    docs/training.md).
     """
     import torch
 
@@ -45,12 +47,15 @@ def bfloat16_is_fast(device) -> bool:
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     if device.type != "cpu":
         return False
-    # A private torch function (2.1 and later): absent or failing, assume no AMX, the slower default being the safe one.
-    amx_tiles = getattr(getattr(torch, "cpu", None), "_is_amx_tile_supported", None)
-    try:
-        return bool(amx_tiles()) if amx_tiles is not None else False
-    except Exception:
-        return False
+    # Private torch functions (2.1 and later): absent or failing, assume neither, the slower default being the safe one.
+    for check in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
+        supported = getattr(getattr(torch, "cpu", None), check, None)
+        try:
+            if supported is not None and bool(supported()):
+                return True
+        except Exception:
+            continue
+    return False
 
 
 CHAT_TEMPLATE_KWARGS_EXAMPLE = """--chat-template-kwargs '{"enable_thinking": false}'"""

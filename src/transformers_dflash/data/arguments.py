@@ -87,9 +87,10 @@ def add_regenerate_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
         "--dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],
-        help="target dtype (auto: bfloat16 on a GPU and on a CPU with AMX, where it answers several times faster; "
-        "float32 on other CPUs). Answers that leave the float32 target's greedy path are mended by `dflash train`'s "
-        "target labels; --dtype float32 gives the float32 target's own answers (e.g. for held-out sets)",
+        help="target dtype (auto: bfloat16 on a GPU and on a CPU with AMX or AVX512-BF16, where it answers several "
+        "times faster; float32 on other CPUs). Answers that leave the float32 target's greedy path are mended by "
+        "`dflash train`'s target labels; --dtype float32 gives the float32 target's own answers (e.g. for held-out "
+        "sets)",
     )
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     parser.add_argument(

@@ -98,7 +98,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         choices=["auto", "no", "bf16", "fp16"],
         default=d.mixed_precision,
         help="autocast of the drafter's forward and loss, its weights staying float32; auto: bf16 on a GPU that has "
-        "it and on a CPU with AMX, else no",
+        "it and on a CPU with AMX or AVX512-BF16, else no",
     )
     parser.add_argument(
         "--target-dtype",

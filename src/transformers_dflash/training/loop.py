@@ -59,8 +59,8 @@ class TrainingConfig:
     weight_decay: float = 0.0
     warmup_ratio: float = 0.04
     grad_clip: float = 1.0
-    # "auto" (bf16 where bfloat16 is fast: a GPU that has it, a CPU with AMX; else "no"), "no", "bf16" or "fp16"
-    # (autocast; the drafter's weights and optimiser state stay float32)
+    # "auto" (bf16 where bfloat16 is fast: a GPU that has it, a CPU with AMX or AVX512-BF16; else "no"), "no", "bf16"
+    # or "fp16" (autocast; the drafter's weights and optimiser state stay float32)
     mixed_precision: str = "auto"
     target_dtype: str = "auto"  # "auto" (bfloat16 on GPU, float32 on CPU), "bfloat16", "float16", "float32"
     # bookkeeping
@@ -82,8 +82,8 @@ def target_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def autocast_precision(name: str) -> str:
     """The `Accelerator` mixed precision for `TrainingConfig.mixed_precision`: "auto" is "bf16" where bfloat16 is fast
-    on the device accelerate will pick (a CUDA GPU with bfloat16, a CPU with AMX, where it trained faster to the same
-    held-out tau: docs/training.md), else "no"."""
+    on the device accelerate will pick (a CUDA GPU with bfloat16, a CPU with AMX or AVX512-BF16, where it trained
+    faster to the same held-out tau: docs/training.md), else "no"."""
     if name != "auto":
         return name
     return "bf16" if bfloat16_is_fast("cuda" if torch.cuda.is_available() else "cpu") else "no"
