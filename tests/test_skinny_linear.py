@@ -124,6 +124,22 @@ def test_measuring_is_left_out_of_the_step_clock(monkeypatch, kernel_choices):
     assert kernels.step_clock() - before == 3.0  # ... but the step clock moved by its own readings only
 
 
+def test_packing_is_left_out_of_the_step_clock(monkeypatch, packing):
+    """Packing a weight (on its first packed product) stands the step clock still too: counted in the step, it made
+    the first step of a packed width look several times dearer than the width is, and "auto" never chose it again."""
+    ticks = iter(range(1000))
+    monkeypatch.setattr(packing, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    monkeypatch.setattr(packing, "_pack", lambda weight: (next(ticks), next(ticks), weight.clone())[-1])  # 2 ticks
+    monkeypatch.setattr(packing, "_measuring_seconds", 0.0)
+    weight = torch.randn(40, 24)
+    before = packing.step_clock()
+    packing.packed_weight(weight)  # packs: the packing's 2 ticks between 2 readings of its own
+    assert packing.step_clock() - before == 2.0  # 5 ticks passed, the 3 from packing's start to its end left out ...
+    before = packing.step_clock()
+    packing.packed_weight(weight)  # ... and a packed weight is not packed (or left out) again
+    assert packing.step_clock() - before == 1.0
+
+
 def test_each_measured_run_reads_a_weight_out_of_cache(monkeypatch, kernel_choices):
     """A forward reads each weight from memory (the rest of the model has passed through the caches since), so the
     choice is measured on copies that together are twice the last-level cache, each read once per lap; a weight

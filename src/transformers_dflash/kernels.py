@@ -55,7 +55,7 @@ _kernel_choice: dict[tuple[int, int, int, int], str] = {}
 _UNREAD = object()
 # (the file this process read and adds its choices to, the machine it describes); None: turned off. Looked up once.
 _choices_file = _UNREAD
-_measuring_seconds = 0.0  # wall time spent measuring, left out of `step_clock`
+_measuring_seconds = 0.0  # wall time spent measuring kernels and packing weights, left out of `step_clock`
 # id(weight) -> (the weight's version counter when packed, its packed copy); an entry goes with its weight.
 _packed_weights: dict[int, tuple[int, torch.Tensor]] = {}
 
@@ -149,14 +149,21 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     """`weight` in oneDNN's blocked layout for few-row products, made once and repacked if the weight has changed in
     place since (its version counter moved); the copy is dropped when the weight is freed. A weight made under
     `torch.inference_mode()` (e.g. the drafter's slice of the LM head, when generate() runs inside it) has no version
-    counter, so its copy is kept as first made: such tensors are not trained or loaded into."""
+    counter, so its copy is kept as first made: such tensors are not trained or loaded into.
+
+    Packing is left out of `step_clock`, as measuring is: it falls on the first step that verifies a width whose
+    products are packed (an LM head: tens of ms), and counted in that step it made the width look several times
+    dearer than it is, so that `"auto"` never verified it again (docs/benchmarks.md, 2026-12-07)."""
+    global _measuring_seconds
     key = id(weight)
     version = None if weight.is_inference() else weight._version
     entry = _packed_weights.get(key)
     if entry is None or entry[0] != version:
         if entry is None:
             weakref.finalize(weight, _packed_weights.pop, key, None)
+        start = time.perf_counter()
         entry = _packed_weights[key] = (version, _pack(weight))
+        _measuring_seconds += time.perf_counter() - start
     return entry[1]
 
 
@@ -261,8 +268,9 @@ def _last_level_cache_bytes() -> int:
 
 
 def step_clock() -> float:
-    """`time.perf_counter()` less the time `skinny_linear` spent measuring its kernels: the decoding loop times its
-    steps with it, so that a first use of a row count does not make that step look slow to the draft-length policy."""
+    """`time.perf_counter()` less the time `skinny_linear` spent measuring its kernels and packing weights: the
+    decoding loop times its steps with it, so that a first use of a row count does not make that step look slow to
+    the draft-length policy."""
     return time.perf_counter() - _measuring_seconds
 
 
