@@ -590,11 +590,11 @@ def test_bfloat16_is_fast_on_cpus_with_amx_or_avx512_bf16(monkeypatch):
     def unreadable():
         raise RuntimeError("cpuinfo failed")
 
-    for check in checks:  # one check failing leaves the other's answer
+    for check in checks:
         monkeypatch.setattr(torch.cpu, check, unreadable, raising=False)
     assert bfloat16_is_fast("cpu") is False  # the float32 default, slower but safe
     monkeypatch.setattr(torch.cpu, checks[1], lambda: True, raising=False)
-    assert bfloat16_is_fast("cpu") is True
+    assert bfloat16_is_fast("cpu") is True  # the AMX check failing leaves the AVX512-BF16 check's answer
     for check in checks:
         monkeypatch.delattr(torch.cpu, check, raising=False)
     assert bfloat16_is_fast(torch.device("cpu")) is False and bfloat16_is_fast("meta") is False
