@@ -7,7 +7,10 @@ the weights out of cache", "oneDNN's packed weights").
   before the packed product);
 - "any-saving": the cold choice, taking another product wherever it is faster by the margin, however little it
   saves (before `_MIN_SAVING_SECONDS`);
-- "cold" (the core): the weights out of cache, and the packed product among the candidates where oneDNN has it.
+- "cold" (the core): the weights out of cache, and the packed product among the candidates where oneDNN has it;
+- "packed-at-par": as "cold", but the packed product needs only the margin the transposed one needs (no
+  `_PACKED_MARGIN` for the copy of the weight it keeps);
+- "all-packed": the packed product for every few-row product, measured or not.
 
 Each variant keeps its own kernel choices (measured on its first use of a weight shape and row count, as a new process
 does) and its own `drafter.draft_length_memory`. A choice can change from process to process, so run this script
@@ -40,7 +43,9 @@ def main():
     parser.add_argument("--num-prompts", type=int, default=3, help="per dataset (MT-Bench, HumanEval)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument(
-        "--variants", default="cached,unpacked,cold", help="comma-separated: cached, unpacked, any-saving, cold"
+        "--variants",
+        default="cached,unpacked,cold",
+        help="comma-separated: cached, unpacked, any-saving, cold, packed-at-par, all-packed",
     )
     parser.add_argument("--draft-length", default=None, help='the drafter\'s draft_length (default: its own, "auto")')
     parser.add_argument("--drafter", default=None, help="a drafter folder (default: the shipped one)")
@@ -59,12 +64,16 @@ def main():
         "ColdCopies": kernels.ColdCopies,
         "packing_available": kernels.packing_available,
         "_MIN_SAVING_SECONDS": kernels._MIN_SAVING_SECONDS,
+        "_PACKED_MARGIN": kernels._PACKED_MARGIN,
+        "kernel_for": kernels.kernel_for,
     }
     patches = {
         "cached": {"ColdCopies": CachedCopies},
         "unpacked": {"packing_available": lambda: False},
         "any-saving": {"_MIN_SAVING_SECONDS": 0.0},
         "cold": {},
+        "packed-at-par": {"_PACKED_MARGIN": 1.0},
+        "all-packed": {"kernel_for": lambda weight, rows, input=None, cold=None: "packed" if rows <= 256 else "linear"},
     }
 
     def rules(variant):
