@@ -24,10 +24,22 @@ def test_copied_layers_compute_what_the_targets_last_layers_compute():
     # fc passes the deepest feature (layer 1's output, the input of layer 2) through and drops the other one
     features = torch.randn(1, 3, 2 * 64)
     assert torch.allclose(drafter.fc(features), features[..., 64:])
-    # the target has no q/k norms: they start at the target's own per-head scale, one value per layer
-    for layer in drafter.layers:
-        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+    # the target has no q/k norms: they start at the target's own per-head scale on the calibration text, one value
+    # per layer, measured on what the copied layer reads there (the target's hidden_states[source])
+    with torch.no_grad():
+        hidden_states = decoder(input_ids=calibration, output_hidden_states=True).hidden_states
+    for layer, source in zip(drafter.layers, (2, 3)):
+        theirs = decoder.layers[source]
+        for norm, projection in (
+            (layer.self_attn.q_norm, theirs.self_attn.q_proj),
+            (layer.self_attn.k_norm, theirs.self_attn.k_proj),
+        ):
+            per_head = projection(theirs.input_layernorm(hidden_states[source])).unflatten(
+                -1, (-1, drafter.config.head_dim)
+            )
+            expected = per_head.pow(2).mean(-1).sqrt().mean()
             assert norm.weight.min() == norm.weight.max() > 0
+            torch.testing.assert_close(norm.weight[0], expected, rtol=1e-5, atol=1e-6)
     # On one token, attention is its own value whatever q and k are, so a copied layer must compute exactly what
     # the target's layer computes: projections, MLP, norms and residuals all came over.
     hidden = torch.randn(1, 1, 64)

@@ -11,6 +11,8 @@ root-mean-square the target's own queries and keys have per head on `calibration
 the target's scale. What this buys is measured in docs/training.md.
 """
 
+import functools
+
 import torch
 from torch import nn
 
@@ -49,6 +51,24 @@ def _head_rms(projection: nn.Linear, norm: nn.Module, hidden: torch.Tensor, head
 
 
 @torch.no_grad()
+def _layer_inputs(decoder: nn.Module, layers: nn.ModuleList, indices: list[int], input_ids: torch.Tensor) -> dict:
+    """{i: the hidden states decoder layer i reads} for `indices`, from one forward of `decoder` on `input_ids`
+    (forward pre-hooks keep just these, where `output_hidden_states=True` would keep every layer's)."""
+    inputs = {}
+
+    def keep(index, module, args, kwargs):
+        inputs[index] = args[0] if args else kwargs["hidden_states"]
+
+    handles = [layers[i].register_forward_pre_hook(functools.partial(keep, i), with_kwargs=True) for i in indices]
+    try:
+        decoder(input_ids=input_ids.to(next(decoder.parameters()).device), use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return inputs
+
+
+@torch.no_grad()
 def init_from_target_layers(drafter: DFlashDraftModel, target: nn.Module, calibration_ids: torch.Tensor) -> list[int]:
     """Copy the target's last `num_hidden_layers` decoder layers (and final norm) into the fresh `drafter`, in place;
     return the target layer indices copied. `calibration_ids` ([1, S] token ids): text to measure the target's query
@@ -61,9 +81,10 @@ def init_from_target_layers(drafter: DFlashDraftModel, target: nn.Module, calibr
     sources = list(range(len(layers) - num_copied, len(layers)))
     eps = config.rms_norm_eps
     calibrated = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")  # when the target has none
+    theirs_by_source = {source: layers[source].state_dict() for source in sources}
     # Check everything before changing anything, so that a refused target leaves the drafter as it was.
     for drafter_layer, source in zip(drafter.layers, sources):
-        theirs = layers[source].state_dict()
+        theirs = theirs_by_source[source]
         for name, param in drafter_layer.state_dict().items():
             if name in calibrated and name not in theirs:
                 continue
@@ -77,19 +98,16 @@ def init_from_target_layers(drafter: DFlashDraftModel, target: nn.Module, calibr
         raise _fail(target, "its decoder has no final `norm`")
     _check_plain_rms_norm(target, final_norm, eps, "final norm")
 
-    hidden_states = None
+    uncalibrated = [source for source in sources if calibrated[0] not in theirs_by_source[source]]
+    layer_inputs = _layer_inputs(decoder, layers, uncalibrated, calibration_ids) if uncalibrated else {}
     for drafter_layer, source in zip(drafter.layers, sources):
-        theirs = layers[source].state_dict()
+        theirs = theirs_by_source[source]
         for name, param in drafter_layer.state_dict().items():
             if name in theirs:
                 param.copy_(theirs[name])
-        if calibrated[0] in theirs:
+        if source not in layer_inputs:
             continue
-        if hidden_states is None:
-            device = next(target.parameters()).device
-            outputs = decoder(input_ids=calibration_ids.to(device), output_hidden_states=True, use_cache=False)
-            hidden_states = outputs.hidden_states
-        attention, hidden = layers[source].self_attn, hidden_states[source]  # the input of layer `source`
+        attention, hidden = layers[source].self_attn, layer_inputs[source]
         norm = layers[source].input_layernorm
         drafter_layer.self_attn.q_norm.weight.fill_(_head_rms(attention.q_proj, norm, hidden, config.head_dim))
         drafter_layer.self_attn.k_norm.weight.fill_(_head_rms(attention.k_proj, norm, hidden, config.head_dim))
