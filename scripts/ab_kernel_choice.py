@@ -73,7 +73,11 @@ def main():
         "any-saving": {"_MIN_SAVING_SECONDS": 0.0},
         "cold": {},
         "packed-at-par": {"_PACKED_MARGIN": 1.0},
-        "all-packed": {"kernel_for": lambda weight, rows, input=None, cold=None: "packed" if rows <= 256 else "linear"},
+        "all-packed": {
+            "kernel_for": lambda weight, rows, input=None, cold=None: (
+                "packed" if rows <= kernels._MAX_ROWS else "linear"
+            )
+        },
     }
 
     def rules(variant):

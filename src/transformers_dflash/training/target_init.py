@@ -18,7 +18,7 @@ from torch import nn
 
 from ..configuration_dflash import text_config
 from ..modeling_dflash import DFlashDraftModel, DFlashRMSNorm
-from ..target_model import decoder_layers
+from ..target_model import decoder_layers, remove_hooks
 
 
 def _fail(target: nn.Module, what: str) -> ValueError:
@@ -63,8 +63,7 @@ def _layer_inputs(decoder: nn.Module, layers: nn.ModuleList, indices: list[int],
     try:
         decoder(input_ids=input_ids.to(next(decoder.parameters()).device), use_cache=False)
     finally:
-        for handle in handles:
-            handle.remove()
+        remove_hooks(handles)
     return inputs
 
 
