@@ -353,7 +353,7 @@ def test_demo_ngram_lookup_option(tiny_demo_drafter, capsys):
     args = ["demo", "--max-new-tokens", "8", "--repeats", "1", "--threads", "1", "--no-stream", "--device", "cpu"]
     assert cli.main(args + ["--ngram-lookup", "2"]) == 0
     out = capsys.readouterr().out
-    assert drafter.ngram_lookup == 2 and "2-gram lookup" in out and "outputs identical: yes" in out
+    assert drafter.ngram_lookup == 2 and "n-gram lookup of up to 2 tokens" in out and "outputs identical: yes" in out
     with pytest.raises(SystemExit, match="--ngram-lookup"):
         cli.main(args + ["--ngram-lookup", "-1"])
 
@@ -685,7 +685,7 @@ def test_demo_times_each_method_at_its_fastest_threads_and_keeps_the_drafter_def
     )
     assert set(timed_threads) == {("plain", 2), ("dflash", 1)} and len(timed_threads) == 6  # warm-ups + 2 repeats
     assert drafter.draft_length is None and drafter.ngram_lookup is None  # the device's defaults
-    assert "draft length auto; copied drafts from 2-gram lookup" in out and "outputs identical: yes" in out
+    assert "draft length auto; copied drafts from n-gram lookup of up to 6 tokens" in out and "outputs identical: yes" in out
 
 
 def test_fastest_threads_measures_each_candidate():

@@ -398,21 +398,24 @@ def test_auto_starts_each_call_from_what_the_earlier_calls_measured():
 def test_a_drafter_remembers_auto_per_thread_count_and_batch_size(batch):
     """generate() calls of one drafter share their "auto" policy and copy rates (`drafter.draft_length_memory`), per
     device, thread count and batch size; outputs stay plain generate()'s."""
+    from transformers_dflash.ngram_lookup import default_ngram_lookup
+
     target = make_target("llama", dtype=torch.float32, eos_token_id=None)
     drafter = make_drafter(target, block_size=4)
     prompt = _repetitive_prompt(batch)
     kwargs = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False, pad_token_id=PAD)
     expected = target.generate(prompt, **kwargs)
     key = ("auto", "cpu", torch.get_num_threads(), batch)
+    copies = ("copies", default_ngram_lookup("cpu"), 4)  # the copy rates, per lookup size and block size
     assert torch.equal(target.generate(prompt, assistant_model=drafter, **kwargs), expected)
     policy = drafter.draft_length_memory[key]
     steps = sum(map(len, policy.step_times.values()))
-    assert steps > 0 and ("copies", 2, 4) in drafter.draft_length_memory
+    assert steps > 0 and copies in drafter.draft_length_memory
     assert torch.equal(target.generate(prompt, assistant_model=drafter, **kwargs), expected)
     assert drafter.draft_length_memory[key] is policy and sum(map(len, policy.step_times.values())) > steps
     drafter.draft_length = "full"  # other policies keep nothing
     assert torch.equal(target.generate(prompt, assistant_model=drafter, **kwargs), expected)
-    assert set(drafter.draft_length_memory) == {key, ("copies", 2, 4)}
+    assert set(drafter.draft_length_memory) == {key, copies}
     drafter.draft_length_memory.clear()
 
 
@@ -515,6 +518,29 @@ def test_a_confident_drafter_keeps_its_drafts_over_a_poor_copy():
     assert lookup.copied == [(0, 0), (1, 3)]  # only the copy that was proposed is scored afterwards
     merged, _ = lookup.merge(lookup.find(sequences, [0, 1], [4, 4], 3), drafts.clone(), None, 3)
     assert merged.tolist() == [[6, 7, 5], [6, 7, 5]]
+
+
+def test_ngram_lookup_one_pass_equals_a_scan_per_length():
+    """`_continuation` finds every match length in one pass; it must pick what a scan per length (longest first, the
+    most recent occurrence of it) picks, including matches near the start and repeats that overlap the suffix."""
+    from transformers_dflash.ngram_lookup import NgramLookup
+
+    def scan_per_length(tokens, max_n, num_draft):
+        seq = tokens.tolist()
+        for n in range(min(max_n, len(seq) - 1), 0, -1):
+            ends = [e for e in range(n - 1, len(seq) - 1) if seq[e - n + 1 : e + 1] == seq[-n:]]
+            if ends:
+                return n, seq[ends[-1] + 1 : ends[-1] + 1 + num_draft]
+        return None
+
+    generator = torch.Generator().manual_seed(0)
+    cases = [torch.tensor([7]), torch.tensor([7, 7]), torch.tensor([3, 3, 3, 3, 3]), torch.tensor([1, 2, 1, 2, 1, 2])]
+    cases += [torch.randint(0, vocab, (length,), generator=generator) for vocab in (2, 3, 5) for length in (2, 5, 40)]
+    for tokens in cases:
+        for max_n in (1, 2, 4, 6):
+            found = NgramLookup(max_n, block_size=4)._continuation(tokens, 3)
+            found = None if found is None else (found[0], found[1].tolist())
+            assert found == scan_per_length(tokens, max_n, 3), (tokens.tolist(), max_n)
 
 
 def test_ngram_lookup_continuation_and_bad_setting():

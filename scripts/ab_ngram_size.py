@@ -1,0 +1,60 @@
+"""A/B of the longest n-gram that copied drafts are found by (`drafter.ngram_lookup`), at the drafter's other defaults
+(docs/benchmarks.md, "Copies by match length").
+
+A longer match finds fewer copies, but they are accepted more often, and `"auto"` keeps one acceptance table per match
+length, so it verifies the copies of each length as far as they pay. Each round runs plain `generate()` and every size
+on every prompt (the demo's, MT-Bench, HumanEval) in a shuffled order per prompt; every output is checked against plain
+`generate()`'s. The drafter's memory is kept across calls, as a user's is (it is kept per size: each size learns its
+own copy rates in the warm-up round).
+
+    python scripts/ab_ngram_size.py --sizes 2 6 --threads 2 --rounds 5 [--max-new-tokens 256] [--drafter PATH]
+
+Prints, per thread count: each size's speedup over plain decoding (total seconds over all prompts, per round: median
+and range), its tau, its median speedup per prompt, and the last size over the first per round.
+"""
+
+import argparse
+import contextlib
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from interleaved_ab import compare_per_thread_count, load_smollm2_pair  # noqa: E402  (beside this script)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[2, 6], help="`drafter.ngram_lookup` values")
+    parser.add_argument("--threads", type=int, nargs="+", default=[2])
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds, after one warm-up round")
+    parser.add_argument("--num-prompts", type=int, default=3, help="per dataset (MT-Bench, HumanEval)")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--drafter", default=None, help="a drafter folder (default: the shipped one)")
+    args = parser.parse_args()
+    if len(args.sizes) < 2 or min(args.sizes) < 1:
+        parser.error("--sizes needs two or more n-gram sizes of at least 1, e.g. --sizes 2 6")
+
+    def rules(size):
+        @contextlib.contextmanager
+        def variant_rules():
+            drafter.ngram_lookup = size
+            try:
+                yield
+            finally:
+                drafter.ngram_lookup = None
+
+        return variant_rules
+
+    variants = {f"n={size}": rules(size) for size in args.sizes}
+    target, tokenizer, drafter = load_smollm2_pair(args.drafter)
+    compare_per_thread_count(
+        target, tokenizer, drafter, variants, args, f"n={args.sizes[0]}", f"n={args.sizes[-1]}"
+    )
+
+
+if __name__ == "__main__":
+    main()
