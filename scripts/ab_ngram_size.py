@@ -51,9 +51,7 @@ def main():
 
     variants = {f"n={size}": rules(size) for size in args.sizes}
     target, tokenizer, drafter = load_smollm2_pair(args.drafter)
-    compare_per_thread_count(
-        target, tokenizer, drafter, variants, args, f"n={args.sizes[0]}", f"n={args.sizes[-1]}"
-    )
+    compare_per_thread_count(target, tokenizer, drafter, variants, args, f"n={args.sizes[0]}", f"n={args.sizes[-1]}")
 
 
 if __name__ == "__main__":

@@ -685,7 +685,10 @@ def test_demo_times_each_method_at_its_fastest_threads_and_keeps_the_drafter_def
     )
     assert set(timed_threads) == {("plain", 2), ("dflash", 1)} and len(timed_threads) == 6  # warm-ups + 2 repeats
     assert drafter.draft_length is None and drafter.ngram_lookup is None  # the device's defaults
-    assert "draft length auto; copied drafts from n-gram lookup of up to 6 tokens" in out and "outputs identical: yes" in out
+    assert (
+        "draft length auto; copied drafts from n-gram lookup of up to 6 tokens" in out
+        and "outputs identical: yes" in out
+    )
 
 
 def test_fastest_threads_measures_each_candidate():

@@ -477,7 +477,9 @@ def _describe_drafter(description: str, draft_length, ngram_lookup, device: str)
     draft_setting = default_draft_length(device) if draft_length is None else draft_length
     lookup = default_ngram_lookup(device) if ngram_lookup is None else ngram_lookup
     description += f"; draft length {draft_setting}"
-    return description + (f"; copied drafts from n-gram lookup of up to {lookup} tokens" if lookup else "; no copied drafts")
+    return description + (
+        f"; copied drafts from n-gram lookup of up to {lookup} tokens" if lookup else "; no copied drafts"
+    )
 
 
 UNTRAINED_WARNING = f"""
