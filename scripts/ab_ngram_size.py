@@ -14,7 +14,7 @@ and range), its tau, its median speedup per prompt, and the last size over the f
 """
 
 import argparse
-import contextlib
+import functools
 import os
 import sys
 from pathlib import Path
@@ -38,19 +38,10 @@ def main():
     if len(args.sizes) < 2 or min(args.sizes) < 1:
         parser.error("--sizes needs two or more n-gram sizes of at least 1, e.g. --sizes 2 6")
 
-    def rules(size):
-        @contextlib.contextmanager
-        def variant_rules():
-            drafter.ngram_lookup = size
-            try:
-                yield
-            finally:
-                drafter.ngram_lookup = None
+    from transformers_dflash.bench.drafter import ngram_lookup
 
-        return variant_rules
-
-    variants = {f"n={size}": rules(size) for size in args.sizes}
     target, tokenizer, drafter = load_smollm2_pair(args.drafter)
+    variants = {f"n={size}": functools.partial(ngram_lookup, drafter, size) for size in args.sizes}
     compare_per_thread_count(target, tokenizer, drafter, variants, args, f"n={args.sizes[0]}", f"n={args.sizes[-1]}")
 
 

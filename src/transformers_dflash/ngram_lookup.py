@@ -106,8 +106,8 @@ class NgramLookup:
         # earlier[e] = the `width` tokens ending at position e (e < the last), left-padded with -1, which no token is
         earlier = torch.cat([tokens.new_full((width - 1,), -1), tokens[:-1]]).unfold(0, width, 1)
         agree = (earlier == tokens[-width:]).flip(1).int().cumprod(dim=1).sum(dim=1)  # match length ending at e
-        # the longest match, the most recent among equals: positions break ties within a length
-        end = int((agree * tokens.shape[0] + torch.arange(agree.shape[0], device=agree.device)).argmax())
+        # the longest match, the most recent among equals (argmax picks the first of equal maxima: search reversed)
+        end = agree.shape[0] - 1 - int(agree.flip(0).argmax())
         match = int(agree[end])
         return (match, tokens[end + 1 : end + 1 + num_draft]) if match else None
 
