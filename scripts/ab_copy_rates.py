@@ -22,16 +22,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from interleaved_ab import compare_per_thread_count, load_smollm2_pair  # noqa: E402  (beside this script)
+from interleaved_ab import add_comparison_arguments, compare_per_thread_count, load_smollm2_pair  # noqa: E402  (beside this script)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--rounds", type=int, default=3, help="timed rounds, after one warm-up round")
-    parser.add_argument("--num-prompts", type=int, default=3, help="per dataset (MT-Bench, HumanEval)")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--drafter", default=None, help="a drafter folder (default: the shipped one)")
+    add_comparison_arguments(parser, threads=[1, 2], rounds=3, max_new_tokens=128)
     args = parser.parse_args()
 
     from transformers_dflash import candidate_generator

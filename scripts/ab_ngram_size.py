@@ -23,17 +23,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from interleaved_ab import compare_per_thread_count, load_smollm2_pair  # noqa: E402  (beside this script)
+from interleaved_ab import add_comparison_arguments, compare_per_thread_count, load_smollm2_pair  # noqa: E402  (beside this script)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[2, 6], help="`drafter.ngram_lookup` values")
-    parser.add_argument("--threads", type=int, nargs="+", default=[2])
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds, after one warm-up round")
-    parser.add_argument("--num-prompts", type=int, default=3, help="per dataset (MT-Bench, HumanEval)")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--drafter", default=None, help="a drafter folder (default: the shipped one)")
+    add_comparison_arguments(parser, threads=[2], rounds=5, max_new_tokens=256)
     args = parser.parse_args()
     if len(args.sizes) < 2 or min(args.sizes) < 1:
         parser.error("--sizes needs two or more n-gram sizes of at least 1, e.g. --sizes 2 6")

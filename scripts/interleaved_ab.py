@@ -120,6 +120,16 @@ def load_smollm2_pair(drafter_path=None):
     return target, tokenizer, drafter
 
 
+def add_comparison_arguments(parser, threads: list[int], rounds: int, max_new_tokens: int) -> None:
+    """The options `compare_per_thread_count` reads (and `--drafter`, for `load_smollm2_pair`), with a script's own
+    defaults."""
+    parser.add_argument("--threads", type=int, nargs="+", default=threads)
+    parser.add_argument("--rounds", type=int, default=rounds, help="timed rounds, after one warm-up round")
+    parser.add_argument("--num-prompts", type=int, default=3, help="per dataset (MT-Bench, HumanEval)")
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    parser.add_argument("--drafter", default=None, help="a drafter folder (default: the shipped one)")
+
+
 def compare_per_thread_count(target, tokenizer, drafter, variants: dict, args, slower: str, faster: str) -> None:
     """For each of `args.threads`: `time_rounds` of the variants on the demo's prompt and `args.num_prompts` MT-Bench
     and HumanEval prompts (`args.max_new_tokens`, `args.rounds`), the report, and `faster` over `slower` per round."""
