@@ -164,7 +164,10 @@ def test_features_with_top_tokens_train_with_kl_and_resume_only_alike(tmp_path):
     torch.testing.assert_close(records[0]["target_top_logprobs"].float(), top_logprobs[0], atol=2e-3, rtol=1e-3)
     assert json.loads((out / "features.json").read_text())["target_top_k"] == 4
     with pytest.raises(ValueError, match="top 4 tokens.*--top-k 0.*Resume with --top-k 4"):
-        cache_context_features(target, tmp_path / "data", out, [1, 2], dtype=torch.float32, progress=False)
+        cache_context_features(target, tmp_path / "data", out, [1, 2], dtype=torch.float32, progress=False, top_k=0)
+    # Left unset, a resume keeps the folder's own top_k rather than refusing the default's.
+    cache_context_features(target, tmp_path / "data", out, [1, 2], dtype=torch.float32, progress=False)
+    assert json.loads((out / "features.json").read_text())["target_top_k"] == 4
 
     config = small_config(
         tmp_path, out, tmp_path / "run", max_steps=2, save_every=100, kl_weight=0.5, target_layer_ids=[1, 2]
@@ -279,3 +282,39 @@ def test_features_follow_a_regeneration_until_it_is_complete(tmp_path, monkeypat
     assert cache_context_features(target, data, out, [1, 2], progress=False, follow=True) == out and waits == [5]
     with pytest.raises(ValueError, match="--follow waits .* no manifest.json of a regeneration"):
         cache_context_features(target, tmp_path / "all", tmp_path / "f2", [1, 2], progress=False, follow=True)
+
+
+def test_defaults_distil_where_the_top_tokens_are_at_hand_and_say_so_where_not(tmp_path, capsys):
+    from transformers_dflash.training.arguments import add_features_arguments, add_train_arguments
+    from transformers_dflash.training.features import DEFAULT_TOP_K
+    from transformers_dflash.training.loop import DEFAULT_KL_WEIGHT
+
+    target = tiny_target()
+    write_shards(tmp_path / "data", target, num_examples=8, per_shard=4)
+    cached = {"dtype": torch.float32, "progress": False}
+    with_top = cache_context_features(target, tmp_path / "data", tmp_path / "with-top", [1, 2], **cached)
+    without_top = cache_context_features(target, tmp_path / "data", tmp_path / "without", [1, 2], top_k=0, **cached)
+    assert json.loads((with_top / "features.json").read_text())["target_top_k"] == DEFAULT_TOP_K
+    assert torch.load(with_top / "shard-00000.pt", weights_only=True)[0]["target_top_ids"].shape[-1] == DEFAULT_TOP_K
+
+    def trained(data, name, **overrides):
+        train(small_config(tmp_path, data, tmp_path / name, max_steps=2, target_layer_ids=[1, 2], **overrides), target)
+        records = read_log(tmp_path / name)
+        return next(r for r in records if r.get("event") == "start")["config"]["kl_weight"], records
+
+    weight, records = trained(with_top, "features-with-top")  # offline, the cached top tokens
+    assert weight == DEFAULT_KL_WEIGHT and all(r["kl"] > 0 for r in records if "loss" in r)
+    weight, records = trained(tmp_path / "data", "online")  # the target computes them itself
+    assert weight == DEFAULT_KL_WEIGHT and all(r["kl"] > 0 for r in records if "loss" in r)
+    capsys.readouterr()
+    weight, records = trained(without_top, "features-without-top")  # older features: hard labels, and a note
+    assert weight == 0.0 and not any("kl" in r for r in records)
+    assert "without the target's top tokens" in capsys.readouterr().out
+    weight, records = trained(with_top, "asked-for-none", kl_weight=0.0)
+    assert weight == 0.0 and not any("kl" in r for r in records)
+
+    import argparse
+
+    train_args = add_train_arguments(argparse.ArgumentParser()).parse_args(["--data", "d", "--output", "o"])
+    features_args = add_features_arguments(argparse.ArgumentParser()).parse_args(["--data", "d", "--out", "o"])
+    assert train_args.kl_weight is None and features_args.top_k is None  # resolved as above

@@ -6,8 +6,8 @@ from dataclasses import fields
 import torch
 
 from ..target_model import text_config
-from .features import cache_context_features
-from .loop import DRAFTER_DEFAULTS, TrainingConfig, load_target, target_dtype, train
+from .features import DEFAULT_TOP_K, cache_context_features
+from .loop import DEFAULT_KL_WEIGHT, DRAFTER_DEFAULTS, TrainingConfig, load_target, target_dtype, train
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -80,7 +80,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         type=float,
         default=d.kl_weight,
         help="distillation: share of KL(target || drafter) over the target's top tokens in the loss, the rest being "
-        "cross-entropy on the hard labels (offline, needs `dflash features --top-k`)",
+        f"cross-entropy on the hard labels (default: {DEFAULT_KL_WEIGHT} where the target's top tokens are at hand, "
+        "as `dflash features` caches them by default or online training computes them, else 0)",
     )
     parser.add_argument("--max-length", type=int, default=d.max_length, help="truncate sequences to this many tokens")
     parser.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per process and micro-batch")
@@ -160,9 +161,10 @@ def add_features_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument(
         "--top-k",
         type=int,
-        default=0,
+        default=None,
         help="also keep the target's K most likely next tokens and their log-probabilities at every position, the "
-        "soft labels of `dflash train --kl-weight` (16 suffices; 0 = none)",
+        f"soft labels of `dflash train --kl-weight` (default: {DEFAULT_TOP_K}, or the K of the features already in "
+        "--out when resuming; 0 = none)",
     )
     parser.add_argument(
         "--follow",
@@ -187,7 +189,7 @@ def run_features(args: argparse.Namespace) -> int:
     if layer_ids is None:
         lm_config = text_config(target.config)
         layer_ids = default_target_layer_ids(lm_config.num_hidden_layers, args.num_target_features)
-    if args.top_k < 0:
+    if args.top_k is not None and args.top_k < 0:
         raise ValueError(f"--top-k {args.top_k}: use 0 (no soft labels) or a positive number of tokens, e.g. 16.")
     out = cache_context_features(
         target,
