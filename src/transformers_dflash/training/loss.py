@@ -13,6 +13,7 @@ from .blocks import (
     sample_anchors,
 )
 from .features import target_features_and_choices
+from .packed_attention import grouped_block_attention
 
 LABEL_RULES = ("auto", "target", "text")
 
@@ -111,13 +112,14 @@ def dflash_loss(
     with torch.no_grad():
         block_embeddings = target.get_input_embeddings()(block_ids.flatten(1))
 
-    hidden = drafter(
-        block_embeddings=block_embeddings.to(dtype),
-        context_features=context_features.to(dtype),
-        block_position_ids=block_position_ids(anchors, block_size),
-        context_position_ids=torch.arange(seq_len, device=device).expand(batch, seq_len),
-        attention_mask=build_block_attention_mask(anchors, seq_len, block_size),
-    ).last_hidden_state.view(batch, num_blocks, block_size, -1)
+    with grouped_block_attention(unwrapped):  # the same attention, without the keys no block sees
+        hidden = drafter(
+            block_embeddings=block_embeddings.to(dtype),
+            context_features=context_features.to(dtype),
+            block_position_ids=block_position_ids(anchors, block_size),
+            context_position_ids=torch.arange(seq_len, device=device).expand(batch, seq_len),
+            attention_mask=build_block_attention_mask(anchors, seq_len, block_size),
+        ).last_hidden_state.view(batch, num_blocks, block_size, -1)
 
     # Labels: slot k of a block predicts token[anchor + k]; it counts if that token is a response token.
     slots = torch.arange(block_size, device=device)
