@@ -74,7 +74,7 @@ class MethodContext:
 
     @property
     def lookup_size(self) -> int:
-        """The n-gram size of copied drafts and prompt lookup (transformers' prompt lookup default: 2)."""
+        """The n-gram size of prompt lookup (transformers' default: 2)."""
         return self.max_matching_ngram_size or 2
 
     @property
@@ -234,9 +234,14 @@ def _adaptive(context: MethodContext) -> tuple[Generate, str]:
 
 
 def _dflash_lookup(context: MethodContext) -> tuple[Generate, str]:
+    from ..ngram_lookup import default_ngram_lookup
+
     setting = context.adaptive_draft_length or "auto"
-    generate = _dflash(context, setting, lookup=context.lookup_size)
-    return generate, f"{context.block}, draft_length={setting!r}, ngram_lookup={context.lookup_size}"
+    # Copies on every device (the defaults turn them off on accelerators), of the length the CPU default uses unless
+    # --max-matching-ngram-size says otherwise.
+    size = context.max_matching_ngram_size or default_ngram_lookup("cpu")
+    generate = _dflash(context, setting, lookup=size)
+    return generate, f"{context.block}, draft_length={setting!r}, ngram_lookup={size}"
 
 
 def _prompt_lookup_skinny(context: MethodContext) -> tuple[Generate, str]:
