@@ -641,3 +641,20 @@ def test_model_card_template_and_metadata():
     assert note not in text
     with pytest.raises(ValueError, match="Unknown model-card metadata"):
         cards.render_model_card(config, {"stpes": 3})
+
+
+def test_model_card_says_how_the_drafter_was_trained(tmp_path):
+    """The card's recipe names the loss the training log records: cross-entropy alone, or mixed with KL."""
+    config = build_drafter(make_target("qwen3", num_layers=NUM_TARGET_LAYERS)).config
+    log = tmp_path / "log.jsonl"
+    records = [{"event": "start", "step": 0, "config": {"kl_weight": 0.5}}, {"step": 40, "loss": 1.0}]
+    log.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    found = cards.metadata_from_training_dir(tmp_path)
+    assert found == {"steps": 40, "kl_weight": 0.5}
+    assert "mixing cross-entropy with KL divergence to the target's most likely tokens (share 0.5)" in (
+        cards.render_model_card(config, found)
+    )
+    records[0]["config"]["kl_weight"] = 0.0  # as every log before distillation became the default says
+    log.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    text = cards.render_model_card(config, cards.metadata_from_training_dir(tmp_path))
+    assert "a position-decayed cross-entropy; the target" in text and "KL" not in text

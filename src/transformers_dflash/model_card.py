@@ -91,6 +91,7 @@ class CardMetadata:
     epochs: float | None = None
     learning_rate: float | None = None
     block_size: int | None = None  # block size used in training, when it differs from the config's
+    kl_weight: float | None = None  # share of KL to the target's top tokens in the training loss (0: cross-entropy)
     acceptance_length: float | None = None  # measured mean acceptance length tau (bonus token included)
     acceptance_setting: str | None = None  # how tau was measured: prompts, temperature, hardware, ...
     speedup: float | None = None  # measured speedup over plain generate()
@@ -153,12 +154,15 @@ def metadata_from_training_dir(path: str | Path) -> dict:
     log = Path(path) / "log.jsonl"
     if not log.is_file():
         return {}
-    steps, tau = None, None
+    steps, tau, kl_weight = None, None, None
     for line in log.read_text().splitlines():
         try:
             record = json.loads(line)
         except ValueError:
             continue
+        if record.get("event") == "start" and isinstance(record.get("config"), dict):
+            value = record["config"].get("kl_weight")  # as trained with (older logs: 0.0, cross-entropy alone)
+            kl_weight = float(value) if isinstance(value, (int, float)) else kl_weight
         if isinstance(record.get("step"), int):
             steps = max(steps or 0, record["step"])
         value = record.get("val_acceptance_length")
@@ -167,6 +171,8 @@ def metadata_from_training_dir(path: str | Path) -> dict:
     found = {}
     if steps is not None:
         found["steps"] = steps
+    if kl_weight is not None:
+        found["kl_weight"] = kl_weight
     if tau is not None:
         found["acceptance_length"] = tau
         found["acceptance_setting"] = "greedy decoding of the held-out validation prompts at the end of training"
@@ -286,10 +292,17 @@ def _training(metadata: CardMetadata) -> str:
         text = "Not recorded."
     else:
         text = _table(rows)
+    loss = "a position-decayed cross-entropy"
+    if metadata.kl_weight:
+        share = f"{metadata.kl_weight:g}"
+        loss = (
+            f"a position-decayed loss mixing cross-entropy with KL divergence to the target's most likely tokens "
+            f"(share {share})"
+        )
     text += (
         "\n\nRecipe (DFlash): the target answers the training prompts itself and the drafter learns to predict "
-        "its answers; random anchors per sequence, blocks of [anchor, MASK x (block_size - 1)], a "
-        "position-decayed cross-entropy; the target, its embeddings and its LM head stay frozen."
+        f"its answers; random anchors per sequence, blocks of [anchor, MASK x (block_size - 1)], {loss}; the "
+        "target, its embeddings and its LM head stay frozen."
     )
     if metadata.notes:
         text += f"\n\n{metadata.notes}"
