@@ -312,6 +312,14 @@ def test_defaults_distil_where_the_top_tokens_are_at_hand_and_say_so_where_not(t
     assert "without the target's top tokens" in capsys.readouterr().out
     weight, records = trained(with_top, "asked-for-none", kl_weight=0.0)
     assert weight == 0.0 and not any("kl" in r for r in records)
+    # Shards written by hand in the documented format (features, no features.json): judged by their examples.
+    by_hand = tmp_path / "by-hand"
+    by_hand.mkdir()
+    for shard in sorted(without_top.glob("shard-*.pt")):
+        records = [{k: r[k] for k in ("input_ids", "loss_mask", "context_features")} for r in torch.load(shard)]
+        torch.save(records, by_hand / shard.name)
+    weight, records = trained(by_hand, "by-hand", labels="text")
+    assert weight == 0.0 and not any("kl" in r for r in records)
 
     import argparse
 

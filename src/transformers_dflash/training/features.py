@@ -18,7 +18,7 @@ from torch import nn
 from ..configuration_dflash import text_config
 from ..data import disk_full_error, list_shards, load_shard, read_manifest, write_atomically
 from ..target_model import feature_modules, keep_outputs, remove_hooks
-from .batches import collate
+from .batches import collate, iter_training_examples
 
 FEATURES_INFO = "features.json"
 # The target's top tokens kept per position by default: the soft labels of distillation, which `dflash train` uses
@@ -177,9 +177,13 @@ def cache_context_features(
 
 def has_top_tokens(data_dir: str | Path) -> bool:
     """Whether training on `data_dir` has the target's top tokens at hand for distillation: features cached with
-    them, or plain shards (the target runs during training and computes them itself)."""
+    them, or plain shards (the target runs during training and computes them itself). A folder without
+    `features.json` (shards written by hand in the documented format) is judged by its first example."""
     info_path = Path(data_dir) / FEATURES_INFO
-    return not info_path.exists() or bool(json.loads(info_path.read_text()).get("target_top_k"))
+    if info_path.exists():
+        return bool(json.loads(info_path.read_text()).get("target_top_k"))
+    first = next(iter_training_examples(data_dir), {})
+    return "context_features" not in first or "target_top_ids" in first
 
 
 def check_cached_features(
