@@ -736,9 +736,11 @@ def test_cli_prints_input_errors_without_a_traceback(monkeypatch, capsys):
 @pytest.mark.parametrize(
     ("option", "expected"), [([], torch.float32), (["--target-dtype", "bfloat16"], torch.bfloat16)]
 )
-def test_features_target_dtype(monkeypatch, option, expected):
+def test_features_target_dtype(monkeypatch, tmp_path, option, expected):
     """`dflash features --target-dtype`: the dtype the target runs in (auto: float32 on a CPU, bfloat16 on a GPU)."""
     from transformers_dflash.training import arguments
+
+    (tmp_path / "features.json").write_text('{"target_top_k": 16}')
 
     loaded = {}
 
@@ -750,7 +752,7 @@ def test_features_target_dtype(monkeypatch, option, expected):
         ).to(dtype)  # fmt: skip
 
     monkeypatch.setattr(arguments, "load_target", fake_load_target)
-    monkeypatch.setattr(arguments, "cache_context_features", lambda target, *args, **kwargs: Path("out"))
+    monkeypatch.setattr(arguments, "cache_context_features", lambda target, *args, **kwargs: tmp_path)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     parser = arguments.add_features_arguments(argparse.ArgumentParser())
     assert arguments.run_features(parser.parse_args(["--data", "d", "--out", "o", *option])) == 0
