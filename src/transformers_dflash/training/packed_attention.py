@@ -2,12 +2,12 @@
 
 The training forward packs all blocks of a sequence after its context rows, and the block attention mask
 (`blocks.build_block_attention_mask`) lets a block see only the context before its anchor and its own rows. A dense
-masked attention still multiplies every block row with every key: with 64 blocks of 8 rows after 600 context rows,
-each row reads 1,112 keys, of which it sees on average ~300 + 8. Anchors are sorted, so consecutive blocks see
-similar context prefixes: split the rows into groups of whole blocks, and let each group attend only to the context
-up to the last row any of its blocks sees and to its own blocks' rows. The result is the dense one's (the keys left
-out are masked for every row of the group; `_groups` checks that on the mask itself and falls back to the dense call
-when it does not hold), for about half the attention work (docs/training.md, "Grouped attention in training").
+masked attention still multiplies every block row with every key, most of which it does not see. Anchors are sorted,
+so consecutive blocks see similar context prefixes: split the rows into groups of whole blocks, and let each group
+attend only to the context up to the last key any of its rows sees and to its own blocks' rows. The result is the
+dense one's (the keys left out are masked for every row of the group; `_groups` checks that on the mask itself and
+falls back to the dense call when it does not hold), for less work (docs/training.md, "Grouped attention in
+training").
 
 Registered with transformers' `AttentionInterface` and switched on around the training forward by
 `grouped_block_attention`, so the drafter's modeling code (which checkpoints carry) stays as it is.
@@ -89,7 +89,7 @@ def grouped_block_attention(drafter):
     measured) the attention stays dense."""
     config = drafter.config
     implementation = config._attn_implementation
-    if next(drafter.parameters()).device.type != "cpu" or implementation == "flash_attention_2":
+    if next(drafter.parameters()).device.type != "cpu":
         yield
         return
     config._attn_implementation = _registered_name(implementation)
