@@ -37,11 +37,11 @@ def _groups(mask: torch.Tensor | None, num_rows: int, block_size: int, rows_per_
     num_context = mask.shape[-1] - num_rows
     starts = list(range(0, num_rows, group_rows))
     group_of_row = torch.arange(num_rows, device=mask.device) // group_rows
-    seen = mask.any(dim=1)  # [batch or 1, rows, keys], over heads
-    # The context each group needs: up to the last context key any of its rows sees, in any sequence of the batch.
-    last_seen = (seen[..., :num_context] * torch.arange(1, num_context + 1, device=mask.device)).amax(dim=-1)
-    context_end = last_seen.new_zeros(len(starts)).scatter_reduce(0, group_of_row, last_seen.amax(0), reduce="amax")
-    leaks = (seen[..., num_context:] & (group_of_row[:, None] != group_of_row[None, :])).any()
+    seen = mask.flatten(0, 1).any(dim=0)  # [rows, keys]: seen by the row in any sequence of the batch, any head
+    # The context each group needs: up to the last context key any of its rows sees.
+    last_seen = (seen[:, :num_context] * torch.arange(1, num_context + 1, device=mask.device)).amax(dim=-1)
+    context_end = last_seen.new_zeros(len(starts)).scatter_reduce(0, group_of_row, last_seen, reduce="amax")
+    leaks = (seen[:, num_context:] & (group_of_row[:, None] != group_of_row[None, :])).any()
     values = torch.cat([context_end, leaks[None].to(context_end.dtype)]).tolist()  # one host sync per layer call
     if values[-1]:
         return None
