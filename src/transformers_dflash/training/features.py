@@ -61,8 +61,8 @@ def cache_context_features(
     out_dir.mkdir(parents=True, exist_ok=True)
     info_path = out_dir / FEATURES_INFO
     previous = json.loads(info_path.read_text()) if info_path.exists() else None
+    resuming = previous is not None and any(out_dir.glob("shard-*.pt"))  # shards that new ones must match
     if top_k is None:
-        resuming = previous is not None and list(out_dir.glob("shard-*.pt"))
         top_k = previous.get("target_top_k", 0) if resuming else DEFAULT_TOP_K
     top_k = min(top_k, text_config(target.config).vocab_size)
     info = {
@@ -75,12 +75,12 @@ def cache_context_features(
         "shard_sizes": {},  # examples per finished shard, so that training need not load them to count
     }
     if previous is not None:
-        if list(out_dir.glob("shard-*.pt")) and not previous.get("target_choices"):
+        if resuming and not previous.get("target_choices"):
             raise ValueError(
                 f"{out_dir} holds features of an older `dflash features` without the target's choices; resuming "
                 "there would mix shards with and without them. Use another --out directory, or delete this one."
             )
-        if list(out_dir.glob("shard-*.pt")) and previous.get("target_top_k", 0) != top_k:
+        if resuming and previous.get("target_top_k", 0) != top_k:
             raise ValueError(
                 f"{out_dir} holds features with the target's top {previous.get('target_top_k', 0)} tokens per "
                 f"position; asked for --top-k {top_k}. Resume with --top-k {previous.get('target_top_k', 0)}, or use "
