@@ -16,7 +16,7 @@ from ..modeling_dflash import DFlashDraftModel
 from ..runtime import bfloat16_is_fast
 from ..target_model import check_drafter_fits_target
 from .batches import draft_vocabulary, iter_training_examples, training_batches, training_shards, validation_prompts
-from .features import check_cached_features, check_replay_features, has_top_tokens, shard_sizes
+from .features import DEFAULT_TOP_K, check_cached_features, check_replay_features, has_top_tokens, shard_sizes
 from .loss import check_label_rule, dflash_loss
 from .target_init import init_from_target_layers
 from .validation import evaluate_acceptance_length, replay_acceptance
@@ -149,7 +149,7 @@ def resolve_kl_weight(kl_weight: float | None, folders: list[str | Path]) -> tup
     return 0.0, (
         f"Training on hard labels alone (--kl-weight 0): the features in {', '.join(without)} were cached without the "
         f"target's top tokens, which distillation (--kl-weight {DEFAULT_KL_WEIGHT}, the default where they are at "
-        "hand) needs. `dflash features` caches them by default (--top-k 16) in a new --out folder."
+        f"hand) needs. `dflash features` caches them by default (--top-k {DEFAULT_TOP_K}) in a new --out folder."
     )
 
 
