@@ -27,7 +27,7 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 python=${PYTHON:-/work/main/.venv-tf5.24.0/bin/python}
 if [ -z "${ENGINE:-}" ]; then
   engine=llamacpp
-  PYTHONPATH="$repo/src" "$python" -c "import sys; from transformers_dflash.runtime import bfloat16_is_fast; \
+  PYTHONPATH="$repo/src" "$python" -c "import sys; from transformers_dflash.kernels import bfloat16_is_fast; \
 sys.exit(not bfloat16_is_fast('cpu'))" && engine=transformers
 else
   engine=$ENGINE

@@ -271,6 +271,7 @@ def test_half_precision_drafter_next_to_float32_target_warns_once_and_stays_loss
     from transformers_dflash import candidate_generator as generation_dflash
 
     monkeypatch.setattr(generation_dflash, "_warned_dtypes", set())
+    monkeypatch.setattr(generation_dflash, "bfloat16_is_fast", lambda device: False)  # as on most CPUs
     target = make_target("llama", dtype=torch.float32)
     drafter = make_drafter(target, block_size=4).to(torch.bfloat16)
     input_ids = random_prompt(9, seed=3)
@@ -284,3 +285,23 @@ def test_half_precision_drafter_next_to_float32_target_warns_once_and_stays_loss
     with caplog.at_level(logging.WARNING, logger=generation_dflash.__name__):
         target.generate(input_ids, assistant_model=drafter.float(), max_new_tokens=12, do_sample=False)
     assert "dtype=target.dtype" not in caplog.text
+
+
+def test_bfloat16_drafter_is_not_warned_about_on_cpus_with_bfloat16_instructions(caplog, monkeypatch):
+    """Where the CPU has AMX or AVX512-BF16, bfloat16 products are the fast ones: no warning there; float16 still."""
+    import logging
+
+    from transformers_dflash import candidate_generator as generation_dflash
+
+    monkeypatch.setattr(generation_dflash, "_warned_dtypes", set())
+    monkeypatch.setattr(generation_dflash, "bfloat16_is_fast", lambda device: True)
+    target = make_target("llama", dtype=torch.float32)
+    input_ids = random_prompt(9, seed=3)
+    expected = target.generate(input_ids, max_new_tokens=12, do_sample=False)
+    for dtype, warned in ((torch.bfloat16, False), (torch.float16, True)):
+        drafter = make_drafter(target, block_size=4).to(dtype)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=generation_dflash.__name__):
+            out = target.generate(input_ids, assistant_model=drafter, max_new_tokens=12, do_sample=False)
+        assert torch.equal(out, expected)
+        assert ("dtype=target.dtype" in caplog.text) is warned, dtype

@@ -579,7 +579,7 @@ def test_auto_mixed_precision_is_bf16_where_bfloat16_is_fast(tmp_path, monkeypat
 
 
 def test_bfloat16_is_fast_on_cpus_with_amx_or_avx512_bf16(monkeypatch):
-    from transformers_dflash.runtime import bfloat16_is_fast
+    from transformers_dflash.kernels import bfloat16_is_fast
 
     checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
     for amx, avx512_bf16 in itertools.product((True, False), repeat=2):

@@ -9,7 +9,7 @@ from torch.nn import functional as F
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from .draft_length import AutoDraftLength, draft_length_policy
-from .kernels import skinny_linear
+from .kernels import bfloat16_is_fast, skinny_linear
 from .modeling_dflash import DFlashDrafterCache
 from .ngram_lookup import ngram_lookup_for
 from .target_model import feature_modules, keep_outputs, remove_hooks
@@ -204,10 +204,12 @@ _warned_dtypes: set = set()
 
 def _warn_slow_cpu_dtype(drafter_dtype: torch.dtype, target_dtype: torch.dtype, device: torch.device) -> None:
     """Warn (once per dtype pair) when a half-precision drafter runs on CPU next to a float32 target: CPU bfloat16 /
-    float16 matrix products are slower than float32 ones on most CPUs, so the drafter costs more than it should."""
+    float16 matrix products are slower than float32 ones on most CPUs, so the drafter costs more than it should.
+    Not for bfloat16 on a CPU with bfloat16 instructions (AMX, AVX512-BF16), where its products are the faster ones."""
     key = (drafter_dtype, target_dtype)
-    half = drafter_dtype in (torch.bfloat16, torch.float16)
-    if device.type != "cpu" or target_dtype != torch.float32 or not half or key in _warned_dtypes:
+    if device.type != "cpu" or target_dtype != torch.float32 or key in _warned_dtypes:
+        return
+    if drafter_dtype != torch.float16 and (drafter_dtype != torch.bfloat16 or bfloat16_is_fast(device)):
         return
     _warned_dtypes.add(key)
     logger.warning(

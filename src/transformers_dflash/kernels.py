@@ -186,6 +186,31 @@ def packing_available() -> bool:
 
 
 @torch.no_grad()
+def bfloat16_is_fast(device) -> bool:
+    """Whether bfloat16 matrix products run at full speed on `device`: a CUDA GPU that supports bfloat16, or a CPU
+    with bfloat16 instructions: AMX tiles (Intel Sapphire Rapids and later) or AVX512-BF16 (AMD Zen 4 and later,
+    Intel Cooper Lake). Other CPUs emulate bfloat16 at a cost.
+
+    It picks the data commands' defaults: the target's dtype when `dflash regenerate` writes answers and autocast when
+    `dflash train` trains a drafter (measured on a 2-core AMX Xeon and a 2-core AVX512-BF16 EPYC: docs/data-engines.md,
+    docs/training.md); and whether a bfloat16 drafter beside a float32 target is worth a warning (candidate_generator).
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return False
+    # Private torch functions (2.1 and later): absent or failing, assume neither, the slower default being the safe one.
+    for check in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
+        supported = getattr(getattr(torch, "cpu", None), check, None)
+        try:
+            if supported is not None and bool(supported()):
+                return True
+        except Exception:
+            continue
+    return False
+
+
 def _measure(flat: torch.Tensor, weight: torch.Tensor, cold: "ColdCopies | None" = None) -> str:
     """The fastest product for this input and weight: each kernel runs once untimed, then `_MEASURE_REPEATS` times,
     the kernels alternating (their order rotates from run to run); the fastest run of each is compared.

@@ -1,6 +1,6 @@
-"""Helpers that the command line and the benchmarks share: device synchronisation, the default thread count, whether
-bfloat16 is fast on a device, chat encoding, the `--chat-template-kwargs` option of `dflash demo` / `bench` /
-`regenerate`, and the drafter to run (a folder, else the shipped SmolLM2 drafter, else an untrained one).
+"""Helpers that the command line and the benchmarks share: device synchronisation, the default thread count, chat
+encoding, the `--chat-template-kwargs` option of `dflash demo` / `bench` / `regenerate`, and the drafter to run (a
+folder, else the shipped SmolLM2 drafter, else an untrained one).
 
 torch and the core are imported inside the functions, so importing this module (as `dflash --help` does) is instant.
 """
@@ -29,33 +29,6 @@ def default_threads() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
-
-
-def bfloat16_is_fast(device) -> bool:
-    """Whether bfloat16 matrix products run at full speed on `device`: a CUDA GPU that supports bfloat16, or a CPU
-    with bfloat16 instructions: AMX tiles (Intel Sapphire Rapids and later) or AVX512-BF16 (AMD Zen 4 and later,
-    Intel Cooper Lake). Other CPUs emulate bfloat16 at a cost.
-
-    It picks the data commands' defaults: the target's dtype when `dflash regenerate` writes answers and autocast when
-    `dflash train` trains a drafter (measured on a 2-core AMX Xeon and a 2-core AVX512-BF16 EPYC: docs/data-engines.md,
-    docs/training.md).
-    """
-    import torch
-
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    if device.type != "cpu":
-        return False
-    # Private torch functions (2.1 and later): absent or failing, assume neither, the slower default being the safe one.
-    for check in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
-        supported = getattr(getattr(torch, "cpu", None), check, None)
-        try:
-            if supported is not None and bool(supported()):
-                return True
-        except Exception:
-            continue
-    return False
 
 
 CHAT_TEMPLATE_KWARGS_EXAMPLE = """--chat-template-kwargs '{"enable_thinking": false}'"""

@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from ..runtime import add_chat_template_kwargs_argument, bfloat16_is_fast, chat_messages, chat_token_ids
+from ..kernels import bfloat16_is_fast
+from ..runtime import add_chat_template_kwargs_argument, chat_messages, chat_token_ids
 from .errors import DataError
 from .prompts import DEFAULT_NUM_COMPOSED, load_prompts
 from .regeneration import _eos_ids, default_engine, regenerate

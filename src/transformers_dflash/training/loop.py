@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..kernels import bfloat16_is_fast
 from ..modeling_dflash import DFlashDraftModel
-from ..runtime import bfloat16_is_fast
 from ..target_model import check_drafter_fits_target
 from .batches import draft_vocabulary, iter_training_examples, training_batches, training_shards, validation_prompts
 from .features import DEFAULT_TOP_K, check_cached_features, check_replay_features, has_top_tokens, shard_sizes
