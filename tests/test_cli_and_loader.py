@@ -209,6 +209,38 @@ def test_run_demo_on_tiny_models(capsys):
     assert "drafter         : untrained" in report
 
 
+def test_text_generation_pipeline_with_a_drafter_equals_the_plain_pipeline():
+    """pipeline("text-generation", model=target, assistant_model=drafter) decodes with DFlash, as transformers users
+    expect of an assistant model. A drafter whose config names other special tokens than the target's (saved before
+    the config kept pad_token_id) needs the pipeline's assistant_tokenizer, which must then be the target's."""
+    from transformers import pipeline
+
+    tokenizer = tiny_tokenizer()
+    target = tiny_target(tokenizer)
+    torch.manual_seed(1)
+    drafter = DFlashDraftModel.from_target(target, num_layers=1, block_size=4).eval()
+    assert drafter.config.pad_token_id == target.config.pad_token_id is not None
+    messages = [{"role": "user", "content": "why is the sky blue"}]
+    settings = dict(max_new_tokens=12, do_sample=False)
+    expected = pipeline("text-generation", model=target, tokenizer=tokenizer)(messages, **settings)
+    assisted = pipeline("text-generation", model=target, tokenizer=tokenizer, assistant_model=drafter)
+    assert assisted(messages, **settings) == expected
+    assert drafter.last_acceptance_lengths and drafter.last_acceptance_lengths[0] == 1
+
+    drafter.config.pad_token_id = None
+    with pytest.raises(ValueError, match="assistant tokenizer"):  # transformers' own check
+        pipeline("text-generation", model=target, tokenizer=tokenizer, assistant_model=drafter)
+    drafter.last_acceptance_lengths = []
+    kwargs = dict(model=target, tokenizer=tokenizer, assistant_model=drafter, assistant_tokenizer=tokenizer)
+    assert pipeline("text-generation", **kwargs)(messages, **settings) == expected
+    assert drafter.last_acceptance_lengths
+    other = tiny_tokenizer()
+    other.add_tokens(["violet"])
+    kwargs["assistant_tokenizer"] = other
+    with pytest.raises(ValueError, match="drafts in the target's own token ids"):
+        pipeline("text-generation", **kwargs)(messages, **settings)
+
+
 def test_demo_drafter_choice(tmp_path, monkeypatch):
     """A drafter folder (like the one to be shipped) is loaded; without one, an untrained drafter is built."""
     tokenizer = tiny_tokenizer()

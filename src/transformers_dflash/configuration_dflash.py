@@ -105,6 +105,7 @@ def decoder_shape_kwargs(config) -> dict:
         rope_parameters=rope,
         bos_token_id=getattr(config, "bos_token_id", None),
         eos_token_id=getattr(config, "eos_token_id", None),
+        pad_token_id=getattr(config, "pad_token_id", None),
     )
 
 
@@ -132,6 +133,7 @@ class DFlashConfig(PretrainedConfig):
         draft_vocab_size (`int`, optional): the drafter proposes only from this many target tokens (a reduced draft
             vocabulary, as in EAGLE-3); their ids are the drafter's `draft_vocab_ids` buffer. `None`: the whole
             vocabulary. Verification still uses the target's full vocabulary, so outputs do not change.
+        bos_token_id / eos_token_id / pad_token_id: the target's (the drafter shares its tokenizer).
     """
 
     model_type = "dflash"
@@ -164,6 +166,9 @@ class DFlashConfig(PretrainedConfig):
         draft_vocab_size: int | None = None,
         dflash_config: dict | None = None,
         tie_word_embeddings: bool = False,
+        bos_token_id: int | None = None,
+        eos_token_id: int | list[int] | None = None,
+        pad_token_id: int | None = None,
         **kwargs,
     ):
         # RoPE: accept the 4.x spelling (`rope_theta` + `rope_scaling`) and the 5.x one (`rope_parameters`). We pop
@@ -215,6 +220,10 @@ class DFlashConfig(PretrainedConfig):
         }
         self._validate_dflash()  # before transformers' own checks, so the messages say how to fix a DFlash config
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+        # The target's special tokens, set after transformers' own __init__ (4.x sets them to None there, 5.x has no
+        # such attributes unless a config declares them): pipeline(..., assistant_model=drafter) compares them with
+        # the target's to decide that the two share a tokenizer.
+        self.bos_token_id, self.eos_token_id, self.pad_token_id = bos_token_id, eos_token_id, pad_token_id
 
     def _validate_dflash(self):
         if self.num_hidden_layers < 1:

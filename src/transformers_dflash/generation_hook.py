@@ -62,6 +62,19 @@ def prepare_generate_kwargs(drafter: nn.Module, target: nn.Module, args: tuple, 
         kwargs = dict(kwargs)
         # transformers' own DFlash path expects its built-in drafter class; ours runs through `_assisted_decoding`.
         kwargs.pop("speculation_type")
+    if kwargs.get("assistant_tokenizer") is not None:
+        kwargs = dict(kwargs)
+        assistant_tokenizer, tokenizer = kwargs.pop("assistant_tokenizer"), kwargs.get("tokenizer")
+        # A drafter drafts the target's own token ids. pipeline(..., assistant_model=drafter) asks for an
+        # assistant_tokenizer where the drafter's config names other special tokens than the target's (drafters saved
+        # before the config kept pad_token_id), and generate() refuses one for a drafter of the same vocabulary.
+        if tokenizer is not None and len(assistant_tokenizer) != len(tokenizer):
+            raise ValueError(
+                f"A DFlash drafter drafts in the target's own token ids, but assistant_tokenizer has "
+                f"{len(assistant_tokenizer)} tokens and the target's tokenizer {len(tokenizer)}. Omit "
+                "assistant_tokenizer (pass the target's tokenizer as tokenizer=), or use the drafter trained for this "
+                "target."
+            )
     return kwargs
 
 
