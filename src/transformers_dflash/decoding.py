@@ -72,12 +72,14 @@ def dflash_decoding(
     attention_mask = check_padding(model_kwargs.get("attention_mask"), input_ids)
     _refuse_unsupported(drafter, generation_config, input_ids, attention_mask, synced_gpus, streamer)
     do_sample = generation_config.do_sample
-    cache = new_target_cache(target, model_kwargs, generation_config)
+    cache, num_cached = new_target_cache(target, model_kwargs, generation_config, input_ids.shape[0])
     rollback = StateRollback.for_target(target, cache)  # None for attention-only targets
     state = DecodingState(input_ids, attention_mask, generation_config, cache, streamer, rollback)
     if generate_prepares_position_ids():  # transformers >= 5; 4.x made position ids per step, from the mask
         state.follow_target_positions(model_kwargs.get("position_ids"))
     media = prompt_inputs(target, model_kwargs)  # image / video inputs: the prefill's only
+    if num_cached:
+        state.skip_cached_prompt(num_cached, media)
     generator = DFlashCandidateGenerator(drafter, target, generation_config, logits_processor, input_ids.shape[0])
     forward_keyword = cache_keyword(target)
 
@@ -154,6 +156,7 @@ def dflash_decoding(
                 generator.record_step(accepted, candidates.shape[1], step_clock() - verify_start, draft_seconds)
         finally:
             generator.close()
+    state.trim_cache()
     if streamer is not None:
         streamer.end()
     drafter.last_acceptance_lengths = state.acceptance[0] if len(state.acceptance) == 1 else state.acceptance
@@ -197,7 +200,8 @@ def prefill(
     if groups is not None:
         raw, features = grouped_prefill(target_forward, generator, input_ids, mask, groups, state.cache)
     else:
-        raw = target_forward(input_ids, state.prompt_target_positions, mask, 1, **(media or {}))[:, -1:]
+        uncached = input_ids[:, state.num_cached :]
+        raw = target_forward(uncached, state.prompt_target_positions, mask, 1, **(media or {}))[:, -1:]
         features = generator.captured_features()
     raw = raw.float()
     processed = logits_processor(input_ids, raw[:, 0].clone())[:, None] if logits_processor else raw
@@ -255,6 +259,7 @@ class DecodingState:
             self.context_mask = None
             self.next_position = torch.full((batch,), prompt_len, device=device)
         self.prompt_target_positions, self.target_offsets = self.context_positions, None
+        self.num_cached = 0  # prompt tokens the target's cache held before the call (`skip_cached_prompt`)
 
     def follow_target_positions(self, prepared: torch.Tensor | None) -> None:
         """Use the prompt position ids generate() prepared (`[batch, prompt_len]` or `[axes, batch, prompt_len]`)
@@ -273,6 +278,36 @@ class DecodingState:
             return  # the target's positions are the state's (text targets): nothing to map
         self.prompt_target_positions = prepared
         self.target_offsets = prepared[..., -1] - self.context_positions[:, -1]
+
+    def skip_cached_prompt(self, num_cached: int, media: dict | None) -> None:
+        """The target's cache already holds the prompt's first `num_cached` tokens (one prompt, no padding): the
+        prefill reads only the rest, whose features are the drafter's first context (so its first drafts may be
+        accepted less often; what is verified does not change)."""
+        if num_cached >= self.prompt_len:
+            raise ValueError(
+                f"The cache passed to generate() already holds {num_cached} tokens but the prompt has "
+                f"{self.prompt_len}: input_ids must be the whole conversation so far, ending with at least one token "
+                "the cache has not seen."
+            )
+        if media:
+            raise ValueError(
+                "DFlash decoding cannot continue from a pre-filled cache with image or video inputs: pass the full "
+                "prompt and its media without `past_key_values`/`cache`."
+            )
+        self.num_cached = num_cached
+        self.context_positions = self.context_positions[:, num_cached:]
+        self.prompt_target_positions = self.prompt_target_positions[..., num_cached:]
+
+    def trim_cache(self) -> None:
+        """At the end, leave a one-prompt cache as plain decoding leaves it: every committed token but the last, which
+        no forward has read yet (rejected drafts of the last block, e.g. after an EOS, are dropped), so that it can be
+        passed to the next generate() call of a conversation. A batch's cache keeps its holes, and a recurrent state
+        its last block."""
+        if len(self.sequences) > 1 or self.context_mask is not None or self.cache_ops is not self.cache:
+            return
+        excess = self.cache.get_seq_length() - (self.lengths[0] - 1)
+        if excess > 0:
+            self.cache.crop(-excess)
 
     def target_positions(self, positions: torch.LongTensor) -> torch.LongTensor:
         """The target's position ids of the state's positions `[rows, n]` (of tokens after the prompt)."""

@@ -108,24 +108,26 @@ def cache_keyword(target: nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
 
 
-def new_target_cache(target: nn.Module, model_kwargs: dict, generation_config):
-    """A fresh dynamic cache of full-attention layers: every layer of it can be cropped after a rejected draft.
+def new_target_cache(target: nn.Module, model_kwargs: dict, generation_config, batch_size: int):
+    """The target's cache for DFlash decoding, and how many prompt tokens it already holds.
 
-    Sliding-window targets still attend within their window: their masks come from the config, not the cache.
-    Hybrid targets get their own layout, whose recurrent state `StateRollback` restores instead.
+    Every layer of it can be cropped after a rejected draft: a dynamic cache of full-attention layers (sliding-window
+    targets still attend within their window: their masks come from the config, not the cache), or, for hybrid
+    targets, their own layout, whose recurrent state `StateRollback` restores instead.
+
+    The caller's DynamicCache is filled, as plain `generate()` fills it, where it holds only full-attention layers and
+    the batch is one prompt: then it may already hold the prompt's first tokens (a cached prefix, or the earlier turns
+    of a chat), which the prefill skips. Anywhere else a fresh cache is used, and a pre-filled one is refused: a batch
+    leaves holes in the cache where rows accepted fewer drafts, and sliding-window or recurrent layers cannot be
+    cropped.
     """
-    from transformers.cache_utils import DynamicCache
+    from transformers.cache_utils import DynamicCache, DynamicLayer
 
     given = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
-    if given is not None and given.get_seq_length() > 0:
-        raise ValueError(
-            "DFlash decoding cannot continue from a pre-filled cache: it needs the target's hidden states of the "
-            "whole prompt. Pass the full prompt without `past_key_values`/`cache`."
-        )
     if given is not None and not isinstance(given, DynamicCache):
         raise ValueError(
             f"DFlash decoding needs a cache it can crop after rejected drafts; {type(given).__name__} cannot be "
-            "cropped. Do not pass a cache object (a DynamicCache is created for you)."
+            "cropped. Pass a DynamicCache, or no cache object (one is created for you)."
         )
     implementation = getattr(generation_config, "cache_implementation", None)
     if implementation not in (None, "dynamic", "dynamic_full"):
@@ -133,9 +135,25 @@ def new_target_cache(target: nn.Module, model_kwargs: dict, generation_config):
             f"cache_implementation={implementation!r} cannot be cropped after rejected drafts; DFlash decoding needs a "
             "dynamic cache. Remove `cache_implementation` from the generate() call or generation config."
         )
-    if has_recurrent_state(target):
-        return new_hybrid_cache(target)  # attention layers croppable, recurrent state restored (state_rollback.py)
-    return DynamicCache()
+    recurrent = has_recurrent_state(target)
+    reusable = (
+        given is not None
+        and batch_size == 1
+        and not recurrent
+        and not has_sliding_window(target)
+        and all(type(layer) is DynamicLayer for layer in getattr(given, "layers", ()))
+    )
+    if reusable:
+        return given, given.get_seq_length()
+    if given is not None and given.get_seq_length() > 0:
+        raise ValueError(
+            "DFlash decoding continues from a pre-filled cache only for a single prompt on a target whose layers all "
+            "use full attention (no sliding window, no linear-attention or state-space layers). Pass the full prompt "
+            "without `past_key_values`/`cache` instead: the target then reads the whole prompt once."
+        )
+    if recurrent:
+        return new_hybrid_cache(target), 0  # attention layers croppable, recurrent state restored (state_rollback.py)
+    return DynamicCache(), 0
 
 
 # The inputs every DFlash forward sets itself; `prompt_inputs` passes the prefill whatever else generate() prepared.
