@@ -185,7 +185,6 @@ def packing_available() -> bool:
         return False
 
 
-@torch.no_grad()
 def bfloat16_is_fast(device) -> bool:
     """Whether bfloat16 matrix products run at full speed on `device`: a CUDA GPU that supports bfloat16, or a CPU
     with bfloat16 instructions: AMX tiles (Intel Sapphire Rapids and later) or AVX512-BF16 (AMD Zen 4 and later,
@@ -211,6 +210,7 @@ def bfloat16_is_fast(device) -> bool:
     return False
 
 
+@torch.no_grad()
 def _measure(flat: torch.Tensor, weight: torch.Tensor, cold: "ColdCopies | None" = None) -> str:
     """The fastest product for this input and weight: each kernel runs once untimed, then `_MEASURE_REPEATS` times,
     the kernels alternating (their order rotates from run to run); the fastest run of each is compared.
