@@ -35,8 +35,9 @@ lists, dicts and plain Python values. `iter_training_examples(data_dir)` reads t
 
 One module per concern: `batches` (examples, collation, batches, the draft vocabulary), `features` (the target's
 context features and `dflash features`), `blocks` (anchors, block positions, the block attention mask, loss weights),
-`packed_attention` (the training forward's attention by groups of blocks, on CPUs), `loss` (`dflash_loss`), `validation` (acceptance length), `loop` (`TrainingConfig`, checkpoints, `train`),
-`arguments` (the command lines). This package re-exports their public names.
+`packed_attention` (the training forward's attention by groups of blocks, on CPUs), `loss` (`dflash_loss`),
+`validation` (acceptance length), `loop` (`TrainingConfig`, checkpoints, `train`), `arguments` (the command lines).
+This package re-exports their public names.
 """
 
 from .arguments import add_features_arguments, add_train_arguments, run_features, run_train
