@@ -150,6 +150,8 @@ def dflash_decoding(
                     state.close_block(choices, num_new, keep, block_positions, generator.captured_features(), drafted)
                     if rollback is not None:  # recurrent state: back to before the block, re-feed the kept tokens
                         rollback.settle(target_forward, candidates, target_positions, state.context_mask, num_new, keep)
+                elif rollback is not None and state.returns_one_cache():
+                    rollback.settle_last(target_forward, candidates, target_positions, num_new[0])
                 # The step's cost runs to here: on hybrid targets a partial accept also pays the re-feed, which makes
                 # wide blocks dearer there, and the draft-length policy must see that.
                 draft_seconds = verify_start - step_start if drafted else None
@@ -298,12 +300,16 @@ class DecodingState:
         self.context_positions = self.context_positions[:, num_cached:]
         self.prompt_target_positions = self.prompt_target_positions[..., num_cached:]
 
+    def returns_one_cache(self) -> bool:
+        """Whether the cache is one prompt's, without holes or padding: the one `trim_cache` (or, for a hybrid target,
+        `StateRollback.settle_last`) leaves as plain decoding does. A batch's cache keeps its holes."""
+        return len(self.sequences) == 1 and self.context_mask is None
+
     def trim_cache(self) -> None:
         """At the end, leave a one-prompt cache as plain decoding leaves it: every committed token but the last, which
         no forward has read yet (rejected drafts of the last block, e.g. after an EOS, are dropped), so that it can be
-        passed to the next generate() call of a conversation. A batch's cache keeps its holes, and a recurrent state
-        its last block."""
-        if len(self.sequences) > 1 or self.context_mask is not None or self.cache_ops is not self.cache:
+        passed to the next generate() call of a conversation. A hybrid target's last block was settled in the loop."""
+        if not self.returns_one_cache() or self.cache_ops is not self.cache:
             return
         excess = self.cache.get_seq_length() - (self.lengths[0] - 1)
         if excess > 0:

@@ -120,6 +120,17 @@ def new_hybrid_cache(target: nn.Module):
     return cache
 
 
+def continues_hybrid_cache(target: nn.Module, cache) -> bool:
+    """Whether DFlash can decode into the caller's cache of a hybrid target (transformers >= 5): the unified cache
+    plain `generate()` builds for it, every attention layer croppable (no sliding-window layer, whose window is kept
+    by dropping slots) and its recurrent state restorable. transformers 4.57's own hybrid caches are not continued."""
+    if LinearAttentionCacheLayerMixin is None:
+        return False
+    check_state_rollback(target)
+    layers = getattr(cache, "layers", ())
+    return bool(layers) and all(type(layer).__name__ in CROPPABLE_LAYERS for layer in layers)
+
+
 class StateRollback:
     """Snapshot / restore of a hybrid target cache's recurrent and convolution state, and the attention-layer
     operations (crop, row selection) that `cache.crop` / `cache.batch_select_indices` cannot do on such a cache."""
@@ -218,6 +229,16 @@ class StateRollback:
         self.restore()
         self.crop(-kept)
         target_forward(candidates[:, :kept], block_positions[..., :kept], mask, 1)
+
+    def settle_last(self, target_forward, candidates, block_positions, kept: int) -> None:
+        """After the last block of a single prompt (no row continues, so its slots were not cropped): leave the cache
+        as plain decoding leaves it, every committed token read but the last, so that it can be passed to the next
+        generate() call of a conversation. The rejected drafts after an EOS or the length limit leave the state."""
+        width = candidates.shape[1]
+        if kept == width:
+            return
+        self.crop(-(width - kept))
+        self.settle(target_forward, candidates, block_positions, None, [kept], [0])
 
 
 @contextlib.contextmanager

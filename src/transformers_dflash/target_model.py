@@ -11,7 +11,7 @@ import inspect
 from torch import nn
 
 from .configuration_dflash import text_config
-from .state_rollback import check_state_rollback, has_recurrent_state, new_hybrid_cache
+from .state_rollback import check_state_rollback, continues_hybrid_cache, has_recurrent_state, new_hybrid_cache
 
 
 def decoder_layers(target: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
@@ -115,11 +115,11 @@ def new_target_cache(target: nn.Module, model_kwargs: dict, generation_config, b
     targets still attend within their window: their masks come from the config, not the cache), or, for hybrid
     targets, their own layout, whose recurrent state `StateRollback` restores instead.
 
-    The caller's DynamicCache is filled, as plain `generate()` fills it, where it holds only full-attention layers and
-    the batch is one prompt: then it may already hold the prompt's first tokens (a cached prefix, or the earlier turns
-    of a chat), which the prefill skips. Anywhere else a fresh cache is used, and a pre-filled one is refused: a batch
-    leaves holes in the cache where rows accepted fewer drafts, and sliding-window or recurrent layers cannot be
-    cropped.
+    The caller's DynamicCache is filled, as plain `generate()` fills it, where the batch is one prompt and every layer
+    of the cache can be cropped (full attention) or rolled back (a hybrid target's recurrent state, transformers >= 5):
+    then it may already hold the prompt's first tokens (a cached prefix, or the earlier turns of a chat), which the
+    prefill skips. Anywhere else a fresh cache is used, and a pre-filled one is refused: a batch leaves holes in the
+    cache where rows accepted fewer drafts, and sliding-window layers keep their window by dropping slots.
     """
     from transformers.cache_utils import DynamicCache, DynamicLayer
 
@@ -136,20 +136,20 @@ def new_target_cache(target: nn.Module, model_kwargs: dict, generation_config, b
             "dynamic cache. Remove `cache_implementation` from the generate() call or generation config."
         )
     recurrent = has_recurrent_state(target)
-    reusable = (
-        given is not None
-        and batch_size == 1
-        and not recurrent
-        and not has_sliding_window(target)
-        and all(type(layer) is DynamicLayer for layer in getattr(given, "layers", ()))
-    )
-    if reusable:
+    if recurrent:
+        croppable = given is not None and continues_hybrid_cache(target, given)
+    else:
+        croppable = not has_sliding_window(target) and all(
+            type(layer) is DynamicLayer for layer in getattr(given, "layers", ())
+        )
+    if given is not None and batch_size == 1 and croppable:
         return given, given.get_seq_length()
     if given is not None and given.get_seq_length() > 0:
         raise ValueError(
-            "DFlash decoding continues from a pre-filled cache only for a single prompt on a target whose layers all "
-            "use full attention (no sliding window, no linear-attention or state-space layers). Pass the full prompt "
-            "without `past_key_values`/`cache` instead: the target then reads the whole prompt once."
+            "DFlash decoding continues from a pre-filled cache only for a single prompt on a target without "
+            "sliding-window layers (full attention, or a hybrid target's linear-attention layers with transformers "
+            ">= 5). Pass the full prompt without `past_key_values`/`cache` instead: the target then reads the whole "
+            "prompt once."
         )
     if recurrent:
         return new_hybrid_cache(target), 0  # attention layers croppable, recurrent state restored (state_rollback.py)
