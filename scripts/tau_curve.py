@@ -22,6 +22,7 @@ import json
 import math
 import os
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -221,6 +222,9 @@ def main() -> None:
         return
     if max(args.eval_at) != args.steps:
         parser.error("--eval-at must end at --steps (the last checkpoint is the trained drafter)")
+    # `kill` (SIGTERM) as an exception, so that subprocess.run kills the training or replay it waits for: left
+    # running, a replay went on competing with the next run for the 2 cores.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     for num_shards in args.shards:
         train_and_evaluate(args, num_shards)
 

@@ -58,17 +58,29 @@ def _assert_same_cache(mine, theirs):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("use_oracle", [False, True])
-def test_a_cached_prompt_prefix_is_continued_as_plain_generate_continues_it(arch, use_oracle, oracle):
+@pytest.mark.parametrize("padding", [0, 3])
+def test_a_cached_prompt_prefix_is_continued_as_plain_generate_continues_it(arch, use_oracle, padding, oracle):
+    """padding: the prompt is left-padded, so the cached prefix holds pad slots and the drafter's mask must leave out
+    the prefix, whose features it never had (the drafter refuses a mask of another length than its keys)."""
     target = make_target(arch)
     drafter = make_drafter(target, block_size=4)
     prompt = random_prompt(13, seed=2)
-    prefix = _prefilled_cache(target, prompt[:, :9])
+    mask = torch.ones_like(prompt)
+    if padding:
+        prompt = torch.cat([torch.zeros_like(prompt[:, :padding]), prompt], dim=1)
+        mask = torch.cat([torch.zeros_like(mask[:, :padding]), mask], dim=1)
+    prefix, positions = DynamicCache(), (mask.cumsum(-1) - 1).clamp(min=0)  # generate()'s positions: padding skipped
+    with torch.no_grad():
+        target(
+            input_ids=prompt[:, :9], attention_mask=mask[:, :9], position_ids=positions[:, :9], use_cache=True,
+            **{cache_keyword(target): prefix},
+        )  # fmt: skip
     plain_cache, dflash_cache = copy.deepcopy(prefix), copy.deepcopy(prefix)
-    expected = _generate(target, prompt, plain_cache)
-    assert torch.equal(expected, target.generate(prompt, max_new_tokens=19, do_sample=False))
+    expected = _generate(target, prompt, plain_cache, attention_mask=mask)
+    assert torch.equal(expected, target.generate(prompt, attention_mask=mask, max_new_tokens=19, do_sample=False))
     if use_oracle:  # long accepts, partial accepts and rejections, the last block's included
-        oracle([expected[0]])
-    assert torch.equal(_generate(target, prompt, dflash_cache, drafter), expected)
+        oracle([expected[0, padding:]])  # the oracle's positions, as the drafter's, leave the padding out
+    assert torch.equal(_generate(target, prompt, dflash_cache, drafter, attention_mask=mask), expected)
     assert sum(drafter.last_acceptance_lengths) == expected.shape[1] - prompt.shape[1]
     if use_oracle:
         assert max(drafter.last_acceptance_lengths) > 1

@@ -491,6 +491,10 @@ def test_replay_features_are_checked(tmp_path):
     check_replay_features(tmp_path, [1, 2])
     with pytest.raises(ValueError, match=r"layers \[1, 2\], but the drafter reads layers \[0, 3\]"):
         check_replay_features(tmp_path, [0, 3])
+    (tmp_path / "features.json").write_text('{"target_layer_ids": [1, ')  # cut short, e.g. by a full disk
+    for check in (check_replay_features, check_cached_features):
+        with pytest.raises(ValueError, match="features.json is not valid JSON.*dflash features --out NEW_DIR"):
+            check(tmp_path, [1, 2])
 
 
 def small_config(tmp_path, data, output, **overrides):

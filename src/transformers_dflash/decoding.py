@@ -180,7 +180,7 @@ def propose(generator: DFlashCandidateGenerator, state: "DecodingState", num_dra
     drafts, confidence = state.anchor.new_empty(len(state.active), 0), None
     if drafted:
         drafts, confidence = generator.draft(
-            state.anchor, state.next_position, state.context, state.context_positions, state.context_mask, num_draft
+            state.anchor, state.next_position, state.context, state.context_positions, state.drafter_mask(), num_draft
         )
         policy.record_drafts(confidence)
     if copies is not None:
@@ -299,6 +299,11 @@ class DecodingState:
         self.num_cached = num_cached
         self.context_positions = self.context_positions[:, num_cached:]
         self.prompt_target_positions = self.prompt_target_positions[..., num_cached:]
+
+    def drafter_mask(self) -> torch.Tensor | None:
+        """`context_mask` over the drafter's context cache: the target's slots but those of a cached prompt prefix,
+        which the target read before this call, so that the drafter never had their features."""
+        return None if self.context_mask is None else self.context_mask[:, self.num_cached :]
 
     def returns_one_cache(self) -> bool:
         """Whether the cache is one prompt's, without holes or padding: the one `trim_cache` (or, for a hybrid target,

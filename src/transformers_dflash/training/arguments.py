@@ -1,13 +1,12 @@
 """The command lines of `dflash train` and `dflash features`."""
 
 import argparse
-import json
 from dataclasses import fields
 
 import torch
 
 from ..target_model import text_config
-from .features import DEFAULT_TOP_K, FEATURES_INFO, cache_context_features
+from .features import DEFAULT_TOP_K, cache_context_features, read_features_info
 from .loop import DEFAULT_KL_WEIGHT, DRAFTER_DEFAULTS, TrainingConfig, load_target, target_dtype, train
 
 
@@ -204,7 +203,7 @@ def run_features(args: argparse.Namespace) -> int:
         follow=args.follow,
         progress=not args.no_progress,
     )
-    top_k = json.loads((out / FEATURES_INFO).read_text()).get("target_top_k", 0)
+    top_k = read_features_info(out).get("target_top_k", 0)
     top = f" and the target's top {top_k} tokens per position (distillation)" if top_k else ""
     print(f"features of layers {layer_ids}{top} in {out}; train on them with `dflash train --data {out} ...`")
     return 0

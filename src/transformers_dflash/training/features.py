@@ -27,6 +27,23 @@ FEATURES_INFO = "features.json"
 DEFAULT_TOP_K = 16
 
 
+def read_features_info(data_dir: str | Path) -> dict | None:
+    """The `features.json` that `dflash features` writes beside its shards; None where there is none."""
+    info_path = Path(data_dir) / FEATURES_INFO
+    if not info_path.exists():
+        return None
+    try:
+        info = json.loads(info_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(
+            f"{info_path} is not valid JSON ({error}); an interrupted copy? Copy the folder again, or recompute its "
+            "features with `dflash features --out NEW_DIR`."
+        ) from None
+    if not isinstance(info, dict):
+        raise ValueError(f"{info_path} holds {type(info).__name__}, not the object `dflash features` writes.")
+    return info
+
+
 @torch.no_grad()
 def cache_context_features(
     target: nn.Module,
@@ -60,7 +77,7 @@ def cache_context_features(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     info_path = out_dir / FEATURES_INFO
-    previous = json.loads(info_path.read_text()) if info_path.exists() else None
+    previous = read_features_info(out_dir)
     resuming = previous is not None and any(out_dir.glob("shard-*.pt"))  # shards that new ones must match
     if top_k is None:
         top_k = previous.get("target_top_k", 0) if resuming else DEFAULT_TOP_K
@@ -179,9 +196,9 @@ def has_top_tokens(data_dir: str | Path) -> bool:
     """Whether training on `data_dir` has the target's top tokens at hand for distillation: features cached with
     them, or plain shards (the target runs during training and computes them itself). A folder without
     `features.json` (shards written by hand in the documented format) is judged by its first example."""
-    info_path = Path(data_dir) / FEATURES_INFO
-    if info_path.exists():
-        return bool(json.loads(info_path.read_text()).get("target_top_k"))
+    info = read_features_info(data_dir)
+    if info is not None:
+        return bool(info.get("target_top_k"))
     first = next(iter_training_examples(data_dir), {})
     return "context_features" not in first or "target_top_ids" in first
 
@@ -192,10 +209,9 @@ def check_cached_features(
     """Refuse offline features of other target layers than the drafter's (they would train it on the wrong input),
     `labels="target"` on features cached without the target's choices, and `kl_weight > 0` on features without the
     target's top tokens."""
-    info_path = Path(data_dir) / FEATURES_INFO
-    if not info_path.exists():
+    info = read_features_info(data_dir)
+    if info is None:
         return
-    info = json.loads(info_path.read_text())
     if kl_weight > 0 and not info.get("target_top_k"):
         raise ValueError(
             f"{data_dir} holds features without the target's top tokens per position, which --kl-weight needs. "
@@ -218,14 +234,13 @@ def check_cached_features(
 def check_replay_features(data_dir: str | Path, target_layer_ids: list[int]) -> None:
     """Refuse, as held-out data for `replay_acceptance`, a folder that is not `dflash features` output with the
     target's choices for the drafter's layers."""
-    info_path = Path(data_dir) / FEATURES_INFO
+    info = read_features_info(data_dir)
     fix = (
         "Cache the target's greedy answers to held-out prompts and their features: `dflash regenerate --prompts "
         f"mtbench --out ANSWERS`, then `dflash features --data ANSWERS --out {data_dir}`"
     )
-    if not info_path.exists():
+    if info is None:
         raise ValueError(f"--val-features {data_dir}: no {FEATURES_INFO} there, so no cached features. {fix}.")
-    info = json.loads(info_path.read_text())
     if not info.get("target_choices"):
         raise ValueError(f"--val-features {data_dir}: features cached without the target's choices. {fix}.")
     if info.get("target_layer_ids") != [int(i) for i in target_layer_ids]:
@@ -309,8 +324,7 @@ def final_logits(target: nn.Module, logits: torch.Tensor) -> torch.Tensor:
 def shard_sizes(data_dir: str | Path, shards: list[Path]) -> list[int]:
     """Examples per shard: from features.json where `dflash features` recorded them for a file of the same size,
     else by loading the shard."""
-    info_path = Path(data_dir) / FEATURES_INFO
-    recorded = json.loads(info_path.read_text()).get("shard_sizes", {}) if info_path.exists() else {}
+    recorded = (read_features_info(data_dir) or {}).get("shard_sizes", {})
     sizes = []
     for path in shards:
         known = recorded.get(path.name)
