@@ -16,11 +16,24 @@ from transformers_dflash.target_model import cache_keyword
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _prefilled_cache(target, ids):
-    cache = DynamicCache()
+def _prefilled_cache(target, ids, mask=None, cache=None):
+    """`cache` (default: a DynamicCache) after the target read `ids`, at the positions generate() gives them (left
+    padding skipped, as `mask` says)."""
+    cache = DynamicCache() if cache is None else cache
+    mask = torch.ones_like(ids) if mask is None else mask
     with torch.no_grad():
-        target(input_ids=ids, use_cache=True, **{cache_keyword(target): cache})
+        target(
+            input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=True,
+            **{cache_keyword(target): cache},
+        )  # fmt: skip
     return cache
+
+
+def _left_padded(prompt, padding):
+    """The prompt after `padding` pad tokens, and its attention mask."""
+    mask = torch.ones_like(prompt)
+    pad = torch.zeros_like(prompt[:, :padding])
+    return torch.cat([pad, prompt], dim=1), torch.cat([pad, mask], dim=1)
 
 
 def _generate(target, ids, cache, drafter=None, **kwargs):
@@ -64,17 +77,8 @@ def test_a_cached_prompt_prefix_is_continued_as_plain_generate_continues_it(arch
     the prefix, whose features it never had (the drafter refuses a mask of another length than its keys)."""
     target = make_target(arch)
     drafter = make_drafter(target, block_size=4)
-    prompt = random_prompt(13, seed=2)
-    mask = torch.ones_like(prompt)
-    if padding:
-        prompt = torch.cat([torch.zeros_like(prompt[:, :padding]), prompt], dim=1)
-        mask = torch.cat([torch.zeros_like(mask[:, :padding]), mask], dim=1)
-    prefix, positions = DynamicCache(), (mask.cumsum(-1) - 1).clamp(min=0)  # generate()'s positions: padding skipped
-    with torch.no_grad():
-        target(
-            input_ids=prompt[:, :9], attention_mask=mask[:, :9], position_ids=positions[:, :9], use_cache=True,
-            **{cache_keyword(target): prefix},
-        )  # fmt: skip
+    prompt, mask = _left_padded(random_prompt(13, seed=2), padding)
+    prefix = _prefilled_cache(target, prompt[:, :9], mask[:, :9])
     plain_cache, dflash_cache = copy.deepcopy(prefix), copy.deepcopy(prefix)
     expected = _generate(target, prompt, plain_cache, attention_mask=mask)
     assert torch.equal(expected, target.generate(prompt, attention_mask=mask, max_new_tokens=19, do_sample=False))
@@ -158,27 +162,29 @@ def _hybrid(name):
     return target, make_drafter(target, block_size=4)
 
 
-def _hybrid_cache(target, ids=None):
-    """The cache plain generate() builds for a hybrid target (linear-attention layers beside attention ones), filled
-    with `ids` when given."""
-    cache = DynamicCache(config=target.config)
-    if ids is not None:
-        with torch.no_grad():
-            target(input_ids=ids, use_cache=True, **{cache_keyword(target): cache})
-    return cache
+def _hybrid_cache(target):
+    """The cache plain generate() builds for a hybrid target (linear-attention layers beside attention ones)."""
+    return DynamicCache(config=target.config)
 
 
 @pytest.mark.skipif(MAJOR < 5, reason="hybrid caches are continued with transformers >= 5 only")
-@pytest.mark.parametrize("name", [*HYBRIDS, "qwen3_5_vl"])
-def test_a_hybrid_target_continues_a_cached_prompt_prefix(name, oracle):
+@pytest.mark.parametrize(
+    "name, padding", [*((name, 0) for name in HYBRIDS), *((name, 3) for name in HYBRIDS), ("qwen3_5_vl", 0)]
+)
+def test_a_hybrid_target_continues_a_cached_prompt_prefix(name, padding, oracle):
     target, drafter = _hybrid(name)
-    prompt = random_prompt(13, seed=2)
-    prefix = _hybrid_cache(target, prompt[:, :9])
+    prompt, mask = _left_padded(random_prompt(13, seed=2), padding)
+    if name == "qwen3_5_vl":  # its multimodal RoPE positions are generate()'s own: let the model build them
+        prefix = _hybrid_cache(target)
+        with torch.no_grad():
+            target(input_ids=prompt[:, :9], use_cache=True, **{cache_keyword(target): prefix})
+    else:
+        prefix = _prefilled_cache(target, prompt[:, :9], mask[:, :9], _hybrid_cache(target))
     plain_cache, dflash_cache = copy.deepcopy(prefix), copy.deepcopy(prefix)
-    expected = _generate(target, prompt, plain_cache)
-    assert torch.equal(expected, target.generate(prompt, max_new_tokens=19, do_sample=False))
-    oracle([expected[0]])  # long and partial accepts: the state is rolled back in many steps
-    assert torch.equal(_generate(target, prompt, dflash_cache, drafter), expected)
+    expected = _generate(target, prompt, plain_cache, attention_mask=mask)
+    assert torch.equal(expected, target.generate(prompt, attention_mask=mask, max_new_tokens=19, do_sample=False))
+    oracle([expected[0, padding:]])  # long and partial accepts: the state is rolled back in many steps
+    assert torch.equal(_generate(target, prompt, dflash_cache, drafter, attention_mask=mask), expected)
     assert max(drafter.last_acceptance_lengths) > 1
     _assert_same_cache(dflash_cache, plain_cache)
 
