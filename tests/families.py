@@ -138,8 +138,9 @@ def make_family_target(name, dtype=torch.float64, seed=0, eos_token_id=None, voc
     return model.eval()
 
 
-def left_pad(prompts):
-    width = max(len(p) for p in prompts)
+def left_pad(prompts, width=None):
+    """The prompts left-padded with PAD to the longest of them (or to `width`, if longer), and their attention mask."""
+    width = max(width or 0, *(len(p) for p in prompts))
     ids = torch.full((len(prompts), width), PAD, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, p in enumerate(prompts):

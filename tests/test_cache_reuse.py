@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 from conftest import make_drafter, make_target, random_prompt
-from families import MAJOR, available, make_family_target
+from families import MAJOR, available, left_pad, make_family_target
 from transformers import DynamicCache
 
 from transformers_dflash.state_rollback import StateRollback
@@ -27,13 +27,6 @@ def _prefilled_cache(target, ids, mask=None, cache=None):
             **{cache_keyword(target): cache},
         )  # fmt: skip
     return cache
-
-
-def _left_padded(prompt, padding):
-    """The prompt after `padding` pad tokens, and its attention mask."""
-    mask = torch.ones_like(prompt)
-    pad = torch.zeros_like(prompt[:, :padding])
-    return torch.cat([pad, prompt], dim=1), torch.cat([pad, mask], dim=1)
 
 
 def _generate(target, ids, cache, drafter=None, **kwargs):
@@ -77,7 +70,7 @@ def test_a_cached_prompt_prefix_is_continued_as_plain_generate_continues_it(arch
     the prefix, whose features it never had (the drafter refuses a mask of another length than its keys)."""
     target = make_target(arch)
     drafter = make_drafter(target, block_size=4)
-    prompt, mask = _left_padded(random_prompt(13, seed=2), padding)
+    prompt, mask = left_pad(random_prompt(13, seed=2), width=13 + padding)
     prefix = _prefilled_cache(target, prompt[:, :9], mask[:, :9])
     plain_cache, dflash_cache = copy.deepcopy(prefix), copy.deepcopy(prefix)
     expected = _generate(target, prompt, plain_cache, attention_mask=mask)
@@ -173,13 +166,8 @@ def _hybrid_cache(target):
 )
 def test_a_hybrid_target_continues_a_cached_prompt_prefix(name, padding, oracle):
     target, drafter = _hybrid(name)
-    prompt, mask = _left_padded(random_prompt(13, seed=2), padding)
-    if name == "qwen3_5_vl":  # its multimodal RoPE positions are generate()'s own: let the model build them
-        prefix = _hybrid_cache(target)
-        with torch.no_grad():
-            target(input_ids=prompt[:, :9], use_cache=True, **{cache_keyword(target): prefix})
-    else:
-        prefix = _prefilled_cache(target, prompt[:, :9], mask[:, :9], _hybrid_cache(target))
+    prompt, mask = left_pad(random_prompt(13, seed=2), width=13 + padding)
+    prefix = _prefilled_cache(target, prompt[:, :9], mask[:, :9], _hybrid_cache(target))
     plain_cache, dflash_cache = copy.deepcopy(prefix), copy.deepcopy(prefix)
     expected = _generate(target, prompt, plain_cache, attention_mask=mask)
     assert torch.equal(expected, target.generate(prompt, attention_mask=mask, max_new_tokens=19, do_sample=False))

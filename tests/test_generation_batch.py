@@ -8,16 +8,7 @@ import random
 import pytest
 import torch
 from conftest import PAD, VOCAB, make_drafter, make_target, random_prompt
-
-
-def _left_pad(prompts):
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), PAD, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = p
-        mask[i, width - len(p) :] = 1
-    return ids, mask
+from families import left_pad
 
 
 def _assert_rows_match(out, prompts, singles):
@@ -48,7 +39,7 @@ def test_batch_rows_equal_single_row_generate(seed, oracle):
     kwargs = dict(max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=PAD)
     singles = [target.generate(p[None], **kwargs)[0] for p in prompts]
     oracle(singles, corrupt=0.3)
-    ids, mask = _left_pad(prompts)
+    ids, mask = left_pad(prompts)
     out = target.generate(ids, attention_mask=mask, assistant_model=drafter, **kwargs)
     _assert_rows_match(out, prompts, singles)
     lengths = drafter.last_acceptance_lengths
@@ -65,7 +56,7 @@ def test_batch_with_untrained_drafter_and_processors():
     prompts = [torch.randint(3, VOCAB, (n,), generator=g) for n in (3, 9, 6)]
     kwargs = dict(max_new_tokens=17, do_sample=False, repetition_penalty=1.4, pad_token_id=PAD)
     singles = [target.generate(p[None], **kwargs)[0] for p in prompts]
-    ids, mask = _left_pad(prompts)
+    ids, mask = left_pad(prompts)
     out = target.generate(ids, attention_mask=mask, assistant_model=drafter, **kwargs)
     _assert_rows_match(out, prompts, singles)
 
@@ -84,7 +75,7 @@ def test_prefill_with_or_without_the_padding_is_lossless(groups, monkeypatch):
     grouped = decoding.grouped_prefill
     monkeypatch.setattr(decoding, "prefill_groups", lambda mask, target: groups)
     monkeypatch.setattr(decoding, "grouped_prefill", lambda *args: calls.append(1) or grouped(*args))
-    ids, mask = _left_pad(prompts)
+    ids, mask = left_pad(prompts)
     out = target.generate(ids, attention_mask=mask, assistant_model=drafter, **kwargs)
     _assert_rows_match(out, prompts, singles)
     assert len(calls) == (0 if groups is None else 1)
@@ -120,7 +111,7 @@ def test_grouped_prefill_lays_out_the_padded_prefills_cache():
     target = make_target("llama", dtype=torch.float32, eos_token_id=None)
     drafter = make_drafter(target, block_size=4)
     g = torch.Generator().manual_seed(0)
-    ids, mask = _left_pad([torch.randint(3, VOCAB, (n,), generator=g) for n in (9, 3, 6, 2)])
+    ids, mask = left_pad([torch.randint(3, VOCAB, (n,), generator=g) for n in (9, 3, 6, 2)])
     keyword = cache_keyword(target)
     generator = DFlashCandidateGenerator(drafter, target)
     with torch.no_grad():
@@ -174,7 +165,7 @@ def test_adaptive_draft_length_is_lossless(draft_length, oracle):
     kwargs = dict(max_new_tokens=30, do_sample=False, pad_token_id=PAD)
     singles = [target.generate(p[None], **kwargs)[0] for p in prompts]
     oracle(singles, corrupt=0.3)
-    ids, mask = _left_pad(prompts)
+    ids, mask = left_pad(prompts)
     _assert_rows_match(target.generate(ids, attention_mask=mask, assistant_model=drafter, **kwargs), prompts, singles)
     assert torch.equal(target.generate(prompts[0][None], assistant_model=drafter, **kwargs)[0], singles[0])
 
