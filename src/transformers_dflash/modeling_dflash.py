@@ -605,14 +605,15 @@ class DFlashDraftModel(DFlashPreTrainedModel):
 
         Returns the normalised hidden states of the block rows; the target's `lm_head` turns them into logits.
         """
-        num_keys = (cache.context_length if cache is not None else 0) + context_features.shape[1]
-        num_keys += block_embeddings.shape[1]
-        if attention_mask is not None and attention_mask.shape[-1] != num_keys:
+        if attention_mask is not None:
             # SDPA would cut a longer mask to the keys' length and mask the wrong slots without a word.
-            raise ValueError(
-                f"attention_mask covers {attention_mask.shape[-1]} keys but the drafter attends over {num_keys} "
-                "([cached context ; new context ; block]); give one entry per key."
-            )
+            cached = cache.context_length if cache is not None else 0
+            num_keys = cached + context_features.shape[1] + block_embeddings.shape[1]
+            if attention_mask.shape[-1] != num_keys:
+                raise ValueError(
+                    f"attention_mask covers {attention_mask.shape[-1]} keys but the drafter attends over {num_keys} "
+                    "([cached context ; new context ; block]); give one entry per key."
+                )
         context_features = self.hidden_norm(self.fc(context_features))
         position_ids = torch.cat([context_position_ids, block_position_ids], dim=1)
         position_embeddings = self.rotary_emb(block_embeddings, position_ids)
